@@ -1,0 +1,250 @@
+// CPU core of the Adasum ops. No TensorFlow header: the adapter passes raw pointers and a
+// ParallelFor backed by TensorFlow's CPU thread pool.
+#include <cstring>
+#include <vector>
+
+#include "adasum_core.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace adasum {
+namespace {
+
+// Eight independent accumulators per quantity. They let the compiler keep the float64 sums in
+// vector registers without reassociating (no -ffast-math), so the result does not depend on the
+// compiler's vectorization choices.
+constexpr int kLanes = 8;
+
+// Below this many elements in a whole call, the thread hand-off costs more than it saves.
+constexpr int64_t kMinParallelElements = int64_t{1} << 17;
+
+inline float BFloat16ToFloat(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline BFloat16 FloatToBFloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return BFloat16{static_cast<uint16_t>(bits >> 16)};
+}
+
+inline float HalfToFloat(Half x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  const uint32_t mantissa = x.bits & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+inline Half FloatToHalf(float f) {
+#if defined(__F16C__)
+  return Half{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+#else
+  // Round to nearest even without a hardware converter (after F. Giesen's float_to_half_fast3_rtne).
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u))};
+  if (ax >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {
+    // Result is subnormal: adding 0.5 puts the half's ulp (2^-24) at the float's ulp, and the FPU
+    // rounds to nearest even for us.
+    float af;
+    std::memcpy(&af, &ax, sizeof(af));
+    af += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &af, sizeof(r));
+    return Half{static_cast<uint16_t>(sign | (r - 0x3f000000u))};
+  }
+  const uint32_t odd = (ax >> 13) & 1u;
+  ax += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
+  return Half{static_cast<uint16_t>(sign | (ax >> 13))};
+#endif
+}
+
+// Per storage type: the type the combine step computes in, and conversions to and from it.
+template <typename T>
+struct Element;
+
+template <>
+struct Element<double> {
+  using Compute = double;
+  static double Load(double x) { return x; }
+  static double Store(double x) { return x; }
+};
+
+template <>
+struct Element<float> {
+  using Compute = double;
+  static double Load(float x) { return x; }
+  static float Store(double x) { return static_cast<float>(x); }
+};
+
+template <>
+struct Element<BFloat16> {
+  using Compute = float;
+  static float Load(BFloat16 x) { return BFloat16ToFloat(x); }
+  static BFloat16 Store(float x) { return FloatToBFloat16(x); }
+};
+
+template <>
+struct Element<Half> {
+  using Compute = float;
+  static float Load(Half x) { return HalfToFloat(x); }
+  static Half Store(float x) { return FloatToHalf(x); }
+};
+
+// Widens kLanes consecutive elements to float64.
+template <typename T>
+inline void LoadLanes(const T* p, double* out) {
+  for (int j = 0; j < kLanes; ++j) out[j] = Element<T>::Load(p[j]);
+}
+
+#if defined(__F16C__)
+template <>
+inline void LoadLanes<Half>(const Half* p, double* out) {
+  static_assert(kLanes == 8, "one F16C conversion covers 8 halves");
+  float f[kLanes];
+  _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  for (int j = 0; j < kLanes; ++j) out[j] = f[j];
+}
+#endif
+
+template <typename T>
+void DotNormsSpan(const T* a, const T* b, int64_t n, double* result) {
+  double dot[kLanes] = {}, a_sq[kLanes] = {}, b_sq[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    double x[kLanes], y[kLanes];
+    LoadLanes(a + i, x);
+    LoadLanes(b + i, y);
+    for (int j = 0; j < kLanes; ++j) {
+      dot[j] += x[j] * y[j];
+      a_sq[j] += x[j] * x[j];
+      b_sq[j] += y[j] * y[j];
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const double x = Element<T>::Load(a[i]), y = Element<T>::Load(b[i]);
+    dot[j] += x * y;
+    a_sq[j] += x * x;
+    b_sq[j] += y * y;
+  }
+  result[0] = result[1] = result[2] = 0.0;
+  for (int j = 0; j < kLanes; ++j) {
+    result[0] += dot[j];
+    result[1] += a_sq[j];
+    result[2] += b_sq[j];
+  }
+}
+
+template <typename T>
+void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
+  using C = typename Element<T>::Compute;
+  const C ca_c = static_cast<C>(ca), cb_c = static_cast<C>(cb);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = Element<T>::Store(ca_c * Element<T>::Load(a[i]) + cb_c * Element<T>::Load(b[i]));
+  }
+}
+
+struct Block {
+  int tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Block> CutIntoBlocks(int n, const int64_t* sizes, int64_t* total) {
+  std::vector<Block> blocks;
+  *total = 0;
+  for (int t = 0; t < n; ++t) {
+    for (int64_t begin = 0; begin < sizes[t]; begin += kBlockElements) {
+      blocks.push_back({t, begin, begin + kBlockElements < sizes[t] ? begin + kBlockElements : sizes[t]});
+    }
+    *total += sizes[t];
+  }
+  return blocks;
+}
+
+void RunBlocks(int64_t total_elements, int64_t n_blocks, int64_t cycles_per_element,
+               const ParallelFor& parallel_for, const std::function<void(int64_t, int64_t)>& fn) {
+  if (total_elements < kMinParallelElements || !parallel_for) {
+    fn(0, n_blocks);
+  } else {
+    parallel_for(n_blocks, kBlockElements * cycles_per_element, fn);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
+                 const ParallelFor& parallel_for) {
+  int64_t total = 0;
+  const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
+  std::vector<double> partial(3 * blocks.size());
+  RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Block& blk = blocks[k];
+      DotNormsSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, &partial[3 * k]);
+    }
+  });
+  for (int t = 0; t < 3 * n; ++t) dot_norms[t] = 0.0;
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    for (int q = 0; q < 3; ++q) dot_norms[3 * blocks[k].tensor + q] += partial[3 * k + q];
+  }
+}
+
+template <typename T>
+void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_norms, T* const* out,
+                const int64_t* sizes, const ParallelFor& parallel_for) {
+  int64_t total = 0;
+  const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
+  std::vector<double> coefficients(2 * n);
+  for (int t = 0; t < n; ++t) {
+    AdasumCoefficients(dot_norms[3 * t], dot_norms[3 * t + 1], dot_norms[3 * t + 2], &coefficients[2 * t],
+                       &coefficients[2 * t + 1]);
+  }
+  RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Block& blk = blocks[k];
+      CombineSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, coefficients[2 * blk.tensor],
+                  coefficients[2 * blk.tensor + 1], out[blk.tensor] + blk.begin, blk.end - blk.begin);
+    }
+  });
+}
+
+#define ADASUM_INSTANTIATE(T)                                                                            \
+  template void DotNormsCpu<T>(int, const T* const*, const T* const*, const int64_t*, double*,          \
+                               const ParallelFor&);                                                      \
+  template void CombineCpu<T>(int, const T* const*, const T* const*, const double*, T* const*,          \
+                              const int64_t*, const ParallelFor&);
+ADASUM_INSTANTIATE(Half)
+ADASUM_INSTANTIATE(BFloat16)
+ADASUM_INSTANTIATE(float)
+ADASUM_INSTANTIATE(double)
+#undef ADASUM_INSTANTIATE
+
+}  // namespace adasum

@@ -1,0 +1,308 @@
+// TensorFlow adapter: registers Adasum>DotNorms and Adasum>Combine and hands the work to the
+// TensorFlow-free cores (adasum_cpu.cc, and adasum_cuda.cu under GOOGLE_CUDA).
+#define EIGEN_USE_THREADS
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "adasum_core.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+#if GOOGLE_CUDA
+#define EIGEN_USE_GPU
+#include "adasum_cuda.h"
+#endif
+
+// The loader reads this marker out of the file, without loading it, to refuse a library built for
+// another TensorFlow with a message instead of a crash.
+#ifndef TF_ADASUM_BUILT_FOR_TF
+#error "build with -DTF_ADASUM_BUILT_FOR_TF=\"<tf.__version__>\" (setup.py does this)"
+#endif
+extern "C" __attribute__((used, visibility("default"))) const char tf_adasum_build_marker[] =
+    "TF_ADASUM_BUILT_FOR_TF=" TF_ADASUM_BUILT_FOR_TF ";";
+
+namespace tensorflow {
+namespace {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+// TensorFlow's element types and the cores' bit-compatible storage types.
+template <typename T>
+struct Storage {
+  using type = T;
+};
+template <>
+struct Storage<Eigen::half> {
+  using type = adasum::Half;
+};
+template <>
+struct Storage<Eigen::bfloat16> {
+  using type = adasum::BFloat16;
+};
+
+// Merges a_i with b_i for every i, naming the tensor whose shapes disagree.
+absl::Status MergePairShapes(InferenceContext* c, const char* op, int n, std::vector<ShapeHandle>* merged) {
+  merged->resize(n);
+  for (int i = 0; i < n; ++i) {
+    if (!c->Merge(c->input(i), c->input(n + i), &(*merged)[i]).ok()) {
+      return errors::InvalidArgument(op, ": tensor ", i, " of ", n, " has shape ", c->DebugString(c->input(i)),
+                                     " in a but ", c->DebugString(c->input(n + i)), " in b");
+    }
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("Adasum>DotNorms")
+    .Input("a: N * T")
+    .Input("b: N * T")
+    .Output("dot_norms: double")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      std::vector<ShapeHandle> merged;
+      TF_RETURN_IF_ERROR(MergePairShapes(c, "Adasum>DotNorms", n, &merged));
+      c->set_output(0, c->Matrix(n, 3));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Per-tensor (a_i . b_i, |a_i|^2, |b_i|^2), accumulated in float64, in one pass over memory.
+
+a: N tensors.
+b: N tensors, b_i with the shape of a_i.
+dot_norms: float64 [N, 3].
+)doc");
+
+REGISTER_OP("Adasum>Combine")
+    .Input("a: N * T")
+    .Input("b: N * T")
+    .Input("dot_norms: double")
+    .Output("out: N * T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      std::vector<ShapeHandle> merged;
+      TF_RETURN_IF_ERROR(MergePairShapes(c, "Adasum>Combine", n, &merged));
+      ShapeHandle dot_norms;
+      DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2 * n), 2, &dot_norms));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dot_norms, 0), n, &unused));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dot_norms, 1), 3, &unused));
+      for (int i = 0; i < n; ++i) c->set_output(i, merged[i]);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+out_i = (1 - d_i / (2 |a_i|^2)) a_i + (1 - d_i / (2 |b_i|^2)) b_i with (d_i, |a_i|^2, |b_i|^2) taken from
+dot_norms; a coefficient is 1 where its squared norm is below sqrt(DBL_MIN).
+
+a: N tensors.
+b: N tensors, b_i with the shape of a_i.
+dot_norms: float64 [N, 3], as made by Adasum>DotNorms.
+out: N tensors; out_i may reuse the buffer of a_i.
+)doc");
+
+// The raw pointers and sizes of both input lists, after checking that shapes pair up.
+template <typename T>
+struct PairedInputs {
+  using S = typename Storage<T>::type;
+  std::vector<const S*> a, b;
+  std::vector<int64_t> sizes;
+};
+
+template <typename T>
+absl::Status GetPairedInputs(OpKernelContext* ctx, const char* op, PairedInputs<T>* in) {
+  using S = typename PairedInputs<T>::S;
+  OpInputList a, b;
+  TF_RETURN_IF_ERROR(ctx->input_list("a", &a));
+  TF_RETURN_IF_ERROR(ctx->input_list("b", &b));
+  const int n = a.size();
+  for (int i = 0; i < n; ++i) {
+    if (a[i].shape() != b[i].shape()) {
+      return errors::InvalidArgument(op, ": tensor ", i, " of ", n, " has shape ", a[i].shape().DebugString(),
+                                     " in a but ", b[i].shape().DebugString(), " in b");
+    }
+    in->a.push_back(reinterpret_cast<const S*>(a[i].flat<T>().data()));
+    in->b.push_back(reinterpret_cast<const S*>(b[i].flat<T>().data()));
+    in->sizes.push_back(a[i].NumElements());
+  }
+  return absl::OkStatus();
+}
+
+adasum::ParallelFor CpuParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64_t units, int64_t cost, const std::function<void(int64_t, int64_t)>& fn) {
+    workers->ParallelFor(units, cost, fn);
+  };
+}
+
+template <typename Device, typename T>
+struct DotNormsFunctor;
+
+template <typename Device, typename T>
+struct CombineFunctor;
+
+template <typename T>
+struct DotNormsFunctor<CPUDevice, T> {
+  void operator()(OpKernelContext* ctx, const PairedInputs<T>& in, double* dot_norms) {
+    adasum::DotNormsCpu(static_cast<int>(in.sizes.size()), in.a.data(), in.b.data(), in.sizes.data(), dot_norms,
+                        CpuParallelFor(ctx));
+  }
+};
+
+template <typename T>
+struct CombineFunctor<CPUDevice, T> {
+  using S = typename Storage<T>::type;
+  void operator()(OpKernelContext* ctx, const PairedInputs<T>& in, const double* dot_norms,
+                  const std::vector<S*>& out) {
+    adasum::CombineCpu(static_cast<int>(in.sizes.size()), in.a.data(), in.b.data(), dot_norms, out.data(),
+                       in.sizes.data(), CpuParallelFor(ctx));
+  }
+};
+
+template <typename Device, typename T>
+class DotNormsOp : public OpKernel {
+ public:
+  explicit DotNormsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    PairedInputs<T> in;
+    OP_REQUIRES_OK(ctx, GetPairedInputs(ctx, "Adasum>DotNorms", &in));
+    Tensor* dot_norms = nullptr;
+    const int64_t n = static_cast<int64_t>(in.sizes.size());
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, 3}), &dot_norms));
+    DotNormsFunctor<Device, T>()(ctx, in, dot_norms->flat<double>().data());
+  }
+};
+
+template <typename Device, typename T>
+class CombineOp : public OpKernel {
+ public:
+  explicit CombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    using S = typename Storage<T>::type;
+    PairedInputs<T> in;
+    OP_REQUIRES_OK(ctx, GetPairedInputs(ctx, "Adasum>Combine", &in));
+    const int n = static_cast<int>(in.sizes.size());
+    const Tensor& dot_norms = ctx->input(2 * n);
+    OP_REQUIRES(ctx, dot_norms.shape() == TensorShape({n, 3}),
+                errors::InvalidArgument("Adasum>Combine: dot_norms must have shape [", n, ", 3] for ", n,
+                                        " tensors, got ", dot_norms.shape().DebugString()));
+    // dot_norms lives in host memory on every device (HostMemory on GPU), so this check is cheap.
+    const double* dn = dot_norms.flat<double>().data();
+    for (int i = 0; i < 3 * n; ++i) {
+      OP_REQUIRES(ctx, std::isfinite(dn[i]),
+                  errors::InvalidArgument("Adasum>Combine: tensor ", i / 3, " of ", n,
+                                          " has a non-finite (a.b, |a|^2, |b|^2) = (", dn[3 * (i / 3)], ", ",
+                                          dn[3 * (i / 3) + 1], ", ", dn[3 * (i / 3) + 2],
+                                          "): a or b holds NaN or Inf, or a squared norm overflows float64"));
+    }
+    std::vector<S*> out(n);
+    for (int i = 0; i < n; ++i) {
+      Tensor* t = nullptr;
+      // Input i is a_i and input n + i is b_i; either buffer can hold out_i if nothing else needs it.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i, n + i}, i, ctx->input(i).shape(), &t));
+      out[i] = reinterpret_cast<S*>(t->flat<T>().data());
+    }
+    CombineFunctor<Device, T>()(ctx, in, dn, out);
+  }
+};
+
+#define REGISTER_CPU(T)                                                                                 \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
+                          DotNormsOp<CPUDevice, T>);                                                    \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>Combine").Device(DEVICE_CPU).TypeConstraint<T>("T"),           \
+                          CombineOp<CPUDevice, T>);
+REGISTER_CPU(Eigen::half)
+REGISTER_CPU(Eigen::bfloat16)
+REGISTER_CPU(float)
+REGISTER_CPU(double)
+#undef REGISTER_CPU
+
+#if GOOGLE_CUDA
+using GPUDevice = Eigen::GpuDevice;
+
+template <typename T>
+constexpr int CudaDtype();
+template <>
+constexpr int CudaDtype<Eigen::half>() {
+  return ADASUM_CUDA_FLOAT16;
+}
+template <>
+constexpr int CudaDtype<Eigen::bfloat16>() {
+  return ADASUM_CUDA_BFLOAT16;
+}
+template <>
+constexpr int CudaDtype<float>() {
+  return ADASUM_CUDA_FLOAT32;
+}
+template <>
+constexpr int CudaDtype<double>() {
+  return ADASUM_CUDA_FLOAT64;
+}
+
+// Device scratch for the launchers: the tensor table and per-block partial sums.
+void* AllocateCudaWorkspace(OpKernelContext* ctx, const std::vector<int64_t>& sizes, Tensor* holder) {
+  const int64_t bytes =
+      static_cast<int64_t>(adasum_cuda_workspace_bytes(static_cast<int>(sizes.size()), sizes.data()));
+  if (!ctx->allocate_temp(DT_INT8, TensorShape({bytes}), holder).ok()) return nullptr;
+  return holder->flat<int8>().data();
+}
+
+template <typename T>
+struct DotNormsFunctor<GPUDevice, T> {
+  void operator()(OpKernelContext* ctx, const PairedInputs<T>& in, double* dot_norms) {
+    Tensor workspace;
+    void* scratch = AllocateCudaWorkspace(ctx, in.sizes, &workspace);
+    OP_REQUIRES(ctx, scratch != nullptr, errors::ResourceExhausted("Adasum>DotNorms: no GPU workspace"));
+    const int err = adasum_cuda_dot_norms(
+        CudaDtype<T>(), static_cast<int>(in.sizes.size()), reinterpret_cast<const void* const*>(in.a.data()),
+        reinterpret_cast<const void* const*>(in.b.data()), in.sizes.data(), dot_norms, scratch,
+        ctx->eigen_device<GPUDevice>().stream());
+    OP_REQUIRES(ctx, err == 0, errors::Internal("Adasum>DotNorms: ", adasum_cuda_error_string(err)));
+  }
+};
+
+template <typename T>
+struct CombineFunctor<GPUDevice, T> {
+  using S = typename Storage<T>::type;
+  void operator()(OpKernelContext* ctx, const PairedInputs<T>& in, const double* dot_norms,
+                  const std::vector<S*>& out) {
+    Tensor workspace;
+    void* scratch = AllocateCudaWorkspace(ctx, in.sizes, &workspace);
+    OP_REQUIRES(ctx, scratch != nullptr, errors::ResourceExhausted("Adasum>Combine: no GPU workspace"));
+    const int err = adasum_cuda_combine(
+        CudaDtype<T>(), static_cast<int>(in.sizes.size()), reinterpret_cast<const void* const*>(in.a.data()),
+        reinterpret_cast<const void* const*>(in.b.data()), dot_norms,
+        reinterpret_cast<void* const*>(out.data()), in.sizes.data(), scratch,
+        ctx->eigen_device<GPUDevice>().stream());
+    OP_REQUIRES(ctx, err == 0, errors::Internal("Adasum>Combine: ", adasum_cuda_error_string(err)));
+  }
+};
+
+#define REGISTER_GPU(T)                                                                                 \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_GPU).TypeConstraint<T>("T"),          \
+                          DotNormsOp<GPUDevice, T>);                                                    \
+  REGISTER_KERNEL_BUILDER(                                                                              \
+      Name("Adasum>Combine").Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("dot_norms"),         \
+      CombineOp<GPUDevice, T>);
+REGISTER_GPU(Eigen::half)
+REGISTER_GPU(Eigen::bfloat16)
+REGISTER_GPU(float)
+REGISTER_GPU(double)
+#undef REGISTER_GPU
+#endif  // GOOGLE_CUDA
+
+}  // namespace
+}  // namespace tensorflow

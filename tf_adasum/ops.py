@@ -1,0 +1,164 @@
+"""The fused Adasum ops and the one loader of their compiled library.
+
+    adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
+
+Each op takes lists of tensors and treats every tensor on its own, as Adasum is defined per layer;
+a whole list is one kernel launch. A single tensor is accepted too and gives a single tensor back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import tensorflow as tf
+
+LIBRARY_PATH = Path(__file__).with_name("_adasum_ops.so")
+REBUILD_HINT = "run `make build` in the tf_adasum checkout (or `pip install --no-build-isolation -e .`)"
+FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+_MARKER = re.compile(rb"TF_ADASUM_BUILT_FOR_TF=([^;\x00]*);")
+
+
+def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
+    """Loads the compiled ops, checking that they were built for the running TensorFlow.
+
+    Args:
+        path: the shared library; default `tf_adasum/_adasum_ops.so`, or `$TF_ADASUM_LIBRARY`.
+
+    Returns:
+        The op module from `tf.load_op_library`.
+
+    Raises:
+        ImportError: the library is missing, was built for another TensorFlow, or fails to load.
+            The message names the path and how to rebuild.
+    """
+    return _load(Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+
+
+@functools.cache
+def _load(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise ImportError(f"tf_adasum's compiled ops are missing: {path} does not exist; {REBUILD_HINT}")
+    # Read the version marker without loading the library: a library built for another TensorFlow
+    # can fail to load with an unhelpful symbol error, or load and crash later.
+    match = _MARKER.search(path.read_bytes())
+    built_for = match.group(1).decode() if match else "an unknown version"
+    if built_for != tf.__version__:
+        raise ImportError(
+            f"{path} was built for TensorFlow {built_for} but TensorFlow {tf.__version__} is running; "
+            f"{REBUILD_HINT}"
+        )
+    try:
+        return tf.load_op_library(str(path))
+    except tf.errors.NotFoundError as error:
+        raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
+
+
+TensorList = Sequence[Any]
+
+
+def _as_list(tensors: Any) -> tuple[list[tf.Tensor], bool]:
+    """Returns (tensors as a list, whether a single tensor was given)."""
+    if isinstance(tensors, (list, tuple)):
+        return [tf.convert_to_tensor(t) for t in tensors], False
+    return [tf.convert_to_tensor(tensors)], True
+
+
+def check_float_tensors(op: str, tensors: Sequence[tf.Tensor]) -> tf.DType | None:
+    """Checks that all tensors share one floating dtype and returns it (None for no tensors).
+
+    Raises:
+        TypeError: a non-floating dtype, or two dtypes in one call; the message names the tensor.
+    """
+    if not tensors:
+        return None
+    dtype = tensors[0].dtype
+    for i, t in enumerate(tensors):
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name}; Adasum needs float16, "
+                "bfloat16, float32 or float64 (use op=tf_adasum.Sum or Average for other dtypes)"
+            )
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name} but tensor 0 has "
+                f"{dtype.name}; all tensors of one call must share a dtype"
+            )
+    return dtype
+
+
+def _pairs(op: str, a_list: Any, b_list: Any) -> tuple[list[tf.Tensor], list[tf.Tensor], bool]:
+    a, single_a = _as_list(a_list)
+    b, single_b = _as_list(b_list)
+    if len(a) != len(b) or single_a != single_b:
+        raise ValueError(f"{op}: a has {len(a)} tensors but b has {len(b)}; they must pair up")
+    check_float_tensors(op, a + b)
+    return a, b, single_a
+
+
+def adasum_dot_norms(a_list: Any, b_list: Any) -> tf.Tensor:
+    """Per-tensor dot product and squared norms, accumulated in float64.
+
+    Args:
+        a_list: a tensor or a list of N floating tensors.
+        b_list: the same number of tensors, b_i with the shape and dtype of a_i.
+
+    Returns:
+        A float64 tensor of shape [N, 3]; row i is (a_i.b_i, |a_i|^2, |b_i|^2).
+
+    Raises:
+        ValueError / InvalidArgumentError: the lists do not pair up in length or shape.
+        TypeError: integer or mixed dtypes.
+
+    Example:
+        >>> tf_adasum.ops.adasum_dot_norms([tf.ones(3)], [tf.ones(3)])  # [[3., 3., 3.]]
+    """
+    a, b, _ = _pairs("adasum_dot_norms", a_list, b_list)
+    if not a:
+        return tf.zeros([0, 3], tf.float64)
+    return load_library().adasum_dot_norms(a=a, b=b)
+
+
+def adasum_combine(a_list: Any, b_list: Any, dot_norms: Any) -> Any:
+    """Combines each pair with Adasum's coefficients, given `adasum_dot_norms(a_list, b_list)`.
+
+    A coefficient is exactly 1 where its squared norm is below sqrt(DBL_MIN), so a zero tensor leaves
+    the other unchanged. float32 is combined in float64, float16 and bfloat16 in float32.
+
+    Args:
+        a_list: a tensor or a list of N floating tensors.
+        b_list: the same number of tensors, b_i with the shape and dtype of a_i.
+        dot_norms: float64 [N, 3], as returned by `adasum_dot_norms`.
+
+    Returns:
+        The combined tensors, in the structure of `a_list`.
+
+    Raises:
+        InvalidArgumentError: a non-finite row in dot_norms (NaN or Inf in the inputs).
+    """
+    a, b, single = _pairs("adasum_combine", a_list, b_list)
+    if not a:
+        return []
+    dot_norms = tf.convert_to_tensor(dot_norms, dtype=tf.float64)
+    out = load_library().adasum_combine(a=a, b=b, dot_norms=dot_norms)
+    return out[0] if single else list(out)
+
+
+def adasum_pair(a_list: Any, b_list: Any) -> Any:
+    """Adasum of two replicas' tensors, per tensor: `adasum_combine(a, b, adasum_dot_norms(a, b))`.
+
+    Example:
+        >>> tf_adasum.ops.adasum_pair([tf.constant([1.0, 0.0])], [tf.constant([0.0, 1.0])])  # [[1., 1.]]
+    """
+    a, b, single = _pairs("adasum_pair", a_list, b_list)
+    if not a:
+        return []
+    lib = load_library()
+    out = lib.adasum_combine(a=a, b=b, dot_norms=lib.adasum_dot_norms(a=a, b=b))
+    return out[0] if single else list(out)
