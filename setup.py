@@ -70,13 +70,26 @@ class BuildAdasumOps(build_ext):
         arch = shlex.split(os.environ.get("TF_ADASUM_ARCH_FLAGS", "-march=native"))
         # TensorFlow's own headers trip these two warnings by the hundred.
         quiet = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
-        common = ["-O3", "-fPIC", "-Wall", *quiet, *arch, f'-DTF_ADASUM_BUILT_FOR_TF="{version}"', *cflags]
+        # No FMA contraction: fma(ca, a, cb * b) would differ from fma(cb, b, ca * a), and Adasum must be
+        # bitwise symmetric.
+        common = [
+            "-O3",
+            "-fPIC",
+            "-ffp-contract=off",
+            "-Wall",
+            *quiet,
+            *arch,
+            f'-DTF_ADASUM_BUILT_FOR_TF="{version}"',
+            *cflags,
+        ]
         objects = [build_dir / (Path(src).stem + ".o") for src in SOURCES]
         with open(log_path, "w") as log:
             # The two translation units compile in parallel; the TensorFlow one dominates.
             compiles = [
                 subprocess.Popen(
-                    ["g++", *common, "-c", str(ROOT / src), "-o", str(obj)], stdout=log, stderr=subprocess.STDOUT
+                    ["g++", *common, "-c", str(ROOT / src), "-o", str(obj)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
                 for src, obj in zip(SOURCES, objects, strict=True)
             ]

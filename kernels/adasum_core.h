@@ -30,6 +30,15 @@ ADASUM_HOST_DEVICE inline void AdasumCoefficients(double dot, double a_sq, doubl
   *cb = b_sq >= kZeroNormGuard ? 1.0 - dot / (2.0 * b_sq) : 1.0;
 }
 
+// float16 and bfloat16 are combined in float32, as DESIGN.md asks, while both coefficients are at
+// most this large in magnitude: products then stay far inside float32's range. Larger coefficients
+// (bfloat16 inputs at scales 1e-20 and 1e20 give 1e39) are combined in float64 and rounded once.
+constexpr double kFloat32CombineLimit = 4294967296.0;  // 2^32
+
+ADASUM_HOST_DEVICE inline bool CombineInFloat32(double ca, double cb) {
+  return (ca < 0 ? -ca : ca) <= kFloat32CombineLimit && (cb < 0 ? -cb : cb) <= kFloat32CombineLimit;
+}
+
 // Storage types for the two 16-bit floats. They are bit-compatible with Eigen::half,
 // Eigen::bfloat16, __half and __nv_bfloat16, so the adapters reinterpret pointers.
 struct Half {
@@ -57,7 +66,8 @@ void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* siz
                  const ParallelFor& parallel_for);
 
 // out_i = ca_i a_i + cb_i b_i, with coefficients from dot_norms. out_i may alias a_i or b_i. float32
-// is combined in float64 and the half types in float32, rounded once on output.
+// and float64 are combined in float64, the half types in float32 (see kFloat32CombineLimit); the
+// result is rounded once on output.
 template <typename T>
 void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_norms, T* const* out,
                 const int64_t* sizes, const ParallelFor& parallel_for);

@@ -1,11 +1,12 @@
 // CPU core of the Adasum ops. No TensorFlow header: the adapter passes raw pointers and a
 // ParallelFor backed by TensorFlow's CPU thread pool.
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "adasum_core.h"
 
-#if defined(__F16C__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -85,36 +86,48 @@ inline Half FloatToHalf(float f) {
 #endif
 }
 
-// Per storage type: the type the combine step computes in, and conversions to and from it.
+// Rounds to float with round-to-odd. Rounding that result to a type of at most 22 significant bits
+// (half, bfloat16) then equals one correct rounding of d: no double-rounding error.
+inline float RoundToOddFloat(double d) {
+  float f = static_cast<float>(d);
+  const double back = static_cast<double>(f);
+  if (back != d && std::isfinite(f)) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((back > 0 ? back : -back) > (d > 0 ? d : -d)) bits -= 1;  // rounded away from zero: truncate
+    bits |= 1u;
+    std::memcpy(&f, &bits, sizeof(f));
+  }
+  return f;
+}
+
+// Per storage type: conversions to and from float64. Every dtype can be combined in float64; the half
+// types normally take the float32 path below instead.
 template <typename T>
 struct Element;
 
 template <>
 struct Element<double> {
-  using Compute = double;
   static double Load(double x) { return x; }
   static double Store(double x) { return x; }
 };
 
 template <>
 struct Element<float> {
-  using Compute = double;
   static double Load(float x) { return x; }
   static float Store(double x) { return static_cast<float>(x); }
 };
 
 template <>
 struct Element<BFloat16> {
-  using Compute = float;
-  static float Load(BFloat16 x) { return BFloat16ToFloat(x); }
-  static BFloat16 Store(float x) { return FloatToBFloat16(x); }
+  static double Load(BFloat16 x) { return BFloat16ToFloat(x); }
+  static BFloat16 Store(double x) { return FloatToBFloat16(RoundToOddFloat(x)); }
 };
 
 template <>
 struct Element<Half> {
-  using Compute = float;
-  static float Load(Half x) { return HalfToFloat(x); }
-  static Half Store(float x) { return FloatToHalf(x); }
+  static double Load(Half x) { return HalfToFloat(x); }
+  static Half Store(double x) { return FloatToHalf(RoundToOddFloat(x)); }
 };
 
 // Widens kLanes consecutive elements to float64.
@@ -162,13 +175,94 @@ void DotNormsSpan(const T* a, const T* b, int64_t n, double* result) {
 }
 
 template <typename T>
-void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
-  using C = typename Element<T>::Compute;
-  const C ca_c = static_cast<C>(ca), cb_c = static_cast<C>(cb);
+void CombineSpanFloat64(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = Element<T>::Store(ca_c * Element<T>::Load(a[i]) + cb_c * Element<T>::Load(b[i]));
+    out[i] = Element<T>::Store(ca * Element<T>::Load(a[i]) + cb * Element<T>::Load(b[i]));
   }
 }
+
+inline float ToFloat(Half x) { return HalfToFloat(x); }
+inline float ToFloat(BFloat16 x) { return BFloat16ToFloat(x); }
+inline void FromFloat(float x, Half* out) { *out = FloatToHalf(x); }
+inline void FromFloat(float x, BFloat16* out) { *out = FloatToBFloat16(x); }
+
+#if defined(__F16C__) && defined(__AVX2__)
+inline __m256 Load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void Store8(__m256 v, Half* p) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline __m256 Load8(const BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Eight lanes of FloatToBFloat16: round to nearest even, NaN kept quiet.
+inline void Store8(__m256 v, BFloat16* p) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i quiet_nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i top = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet_nan, is_nan), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+// The float32 path for the half types. The vector and scalar loops round identically (products and
+// sum in float32, no FMA, one round-to-nearest-even on output).
+template <typename T>
+void CombineSpanFloat32(const T* a, const T* b, float ca, float cb, T* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m256 vca = _mm256_set1_ps(ca), vcb = _mm256_set1_ps(cb);
+  for (; i + 8 <= n; i += 8) {
+    Store8(_mm256_add_ps(_mm256_mul_ps(vca, Load8(a + i)), _mm256_mul_ps(vcb, Load8(b + i))), out + i);
+  }
+#endif
+  for (; i < n; ++i) FromFloat(ca * ToFloat(a[i]) + cb * ToFloat(b[i]), out + i);
+}
+
+template <typename T>
+void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
+  CombineSpanFloat64(a, b, ca, cb, out, n);
+}
+
+template <>
+void CombineSpan<Half>(const Half* a, const Half* b, double ca, double cb, Half* out, int64_t n) {
+  if (CombineInFloat32(ca, cb)) {
+    CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
+  } else {
+    CombineSpanFloat64(a, b, ca, cb, out, n);
+  }
+}
+
+template <>
+void CombineSpan<BFloat16>(const BFloat16* a, const BFloat16* b, double ca, double cb, BFloat16* out, int64_t n) {
+  if (CombineInFloat32(ca, cb)) {
+    CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
+  } else {
+    CombineSpanFloat64(a, b, ca, cb, out, n);
+  }
+}
+
+// TensorFlow runs kernels with flush-to-zero and denormals-are-zero set. Adasum must keep values near
+// the smallest normal (bfloat16 and float32 inputs near finfo.tiny are subnormal once combined), so the
+// core restores IEEE gradual underflow on each thread for the duration of its work.
+class ScopedGradualUnderflow {
+ public:
+#if defined(__SSE__)
+  ScopedGradualUnderflow() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(kFlushToZero | kDenormalsAreZero)); }
+  ~ScopedGradualUnderflow() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000;
+  static constexpr unsigned kDenormalsAreZero = 0x0040;
+  unsigned saved_;
+#endif
+};
 
 struct Block {
   int tensor;
@@ -190,10 +284,14 @@ std::vector<Block> CutIntoBlocks(int n, const int64_t* sizes, int64_t* total) {
 
 void RunBlocks(int64_t total_elements, int64_t n_blocks, int64_t cycles_per_element,
                const ParallelFor& parallel_for, const std::function<void(int64_t, int64_t)>& fn) {
+  auto with_gradual_underflow = [&fn](int64_t first, int64_t last) {
+    ScopedGradualUnderflow guard;
+    fn(first, last);
+  };
   if (total_elements < kMinParallelElements || !parallel_for) {
-    fn(0, n_blocks);
+    with_gradual_underflow(0, n_blocks);
   } else {
-    parallel_for(n_blocks, kBlockElements * cycles_per_element, fn);
+    parallel_for(n_blocks, kBlockElements * cycles_per_element, with_gradual_underflow);
   }
 }
 

@@ -33,29 +33,35 @@ struct TensorEntry {
 
 template <typename T>
 struct Element;
+// Conversions to and from float64, the type float32 and float64 are combined in, and the half types
+// when a coefficient exceeds kFloat32CombineLimit.
 template <>
 struct Element<double> {
-  using Compute = double;
+  static constexpr bool kHalf = false;
   __device__ static double Load(double x) { return x; }
   __device__ static double Store(double x) { return x; }
 };
 template <>
 struct Element<float> {
-  using Compute = double;
+  static constexpr bool kHalf = false;
   __device__ static double Load(float x) { return x; }
   __device__ static float Store(double x) { return static_cast<float>(x); }
 };
 template <>
 struct Element<__half> {
-  using Compute = float;
-  __device__ static float Load(__half x) { return __half2float(x); }
-  __device__ static __half Store(float x) { return __float2half_rn(x); }
+  static constexpr bool kHalf = true;
+  __device__ static double Load(__half x) { return __half2float(x); }
+  __device__ static __half Store(double x) { return __double2half(x); }
+  __device__ static float LoadFloat(__half x) { return __half2float(x); }
+  __device__ static __half StoreFloat(float x) { return __float2half_rn(x); }
 };
 template <>
 struct Element<__nv_bfloat16> {
-  using Compute = float;
-  __device__ static float Load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ static __nv_bfloat16 Store(float x) { return __float2bfloat16_rn(x); }
+  static constexpr bool kHalf = true;
+  __device__ static double Load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 Store(double x) { return __double2bfloat16(x); }
+  __device__ static float LoadFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 StoreFloat(float x) { return __float2bfloat16_rn(x); }
 };
 
 int64_t ChunksOf(int64_t size) { return (size + kChunkElements - 1) / kChunkElements; }
@@ -139,7 +145,6 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) CombineChunkKernel(const TensorEntry* table, int n) {
-  using C = typename Element<T>::Compute;
   __shared__ int tensor;
   if (threadIdx.x == 0) tensor = FindTensor(table, n, blockIdx.x);
   __syncthreads();
@@ -149,10 +154,23 @@ __global__ void __launch_bounds__(kThreads) CombineChunkKernel(const TensorEntry
   const T* a = static_cast<const T*>(e.a);
   const T* b = static_cast<const T*>(e.b);
   T* out = static_cast<T*>(e.out);
-  const C ca = static_cast<C>(e.ca), cb = static_cast<C>(e.cb);
+  // Explicit roundings keep nvcc from contracting into an FMA, which would break bitwise symmetry.
+  // Both paths round exactly as the CPU core does, so CPU and GPU agree bitwise.
+  if constexpr (Element<T>::kHalf) {
+    if (CombineInFloat32(e.ca, e.cb)) {
+      const float ca = static_cast<float>(e.ca), cb = static_cast<float>(e.cb);
+#pragma unroll 8
+      for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+        out[i] = Element<T>::StoreFloat(
+            __fadd_rn(__fmul_rn(ca, Element<T>::LoadFloat(a[i])), __fmul_rn(cb, Element<T>::LoadFloat(b[i]))));
+      }
+      return;
+    }
+  }
 #pragma unroll 8
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    out[i] = Element<T>::Store(ca * Element<T>::Load(a[i]) + cb * Element<T>::Load(b[i]));
+    out[i] = Element<T>::Store(
+        __dadd_rn(__dmul_rn(e.ca, Element<T>::Load(a[i])), __dmul_rn(e.cb, Element<T>::Load(b[i]))));
   }
 }
 

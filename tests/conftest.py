@@ -1,0 +1,25 @@
+"""Shared pytest setup: quiet TensorFlow, and the eager / tf.function switch."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import tensorflow as tf
+
+
+@pytest.fixture(params=["eager", "tf_function"])
+def run(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """Calls a function eagerly or through a fresh tf.function, so each case checks both modes."""
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if request.param == "eager":
+            return fn(*args)
+        return tf.function(fn, autograph=False)(*args)
+
+    return call

@@ -1,0 +1,227 @@
+"""Checks the CUDA kernels against numpy on a GPU host, without TensorFlow.
+
+Usage:
+    make cuda && python tests/gpu/check_cuda.py [--library build/libadasum_cuda.so] [--size-log2 26]
+
+Loads the launchers of kernels/adasum_cuda.cu through ctypes and runs them on device buffers from
+cupy (or torch when cupy is missing). Checks every dtype on mixed-sign, orthogonal, identical,
+zero, empty, odd-sized and 500-tensor lists against the float64 oracle in tests/oracle.py, then
+measures the achieved memory bandwidth of the fused pair against a device-to-device copy.
+Prints JSON lines; exits 1 on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests import oracle  # noqa: E402
+
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+class Device:
+    """The few device operations the harness needs, from cupy or torch."""
+
+    def __init__(self) -> None:
+        try:
+            import cupy
+
+            self.cupy: Any = cupy
+            self.torch: Any = None
+        except ImportError:
+            import torch
+
+            self.cupy, self.torch = None, torch
+
+    def upload(self, array: np.ndarray, dtype: str) -> Any:
+        if self.cupy is not None:
+            if dtype == "bfloat16":  # cupy has no bfloat16: move the raw bits
+                bits = array.astype(np.float32).view(np.uint32) >> 16
+                return self.cupy.asarray(bits.astype(np.uint16))
+            return self.cupy.asarray(array.astype(dtype))
+        torch_dtype = getattr(self.torch, dtype)
+        return self.torch.tensor(array.astype(np.float64)).to(torch_dtype).cuda()
+
+    def download(self, buffer: Any, dtype: str) -> np.ndarray:
+        if self.cupy is not None:
+            host = self.cupy.asnumpy(buffer)
+            if dtype == "bfloat16":
+                return (host.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            return host.astype(np.float64)
+        return buffer.double().cpu().numpy()
+
+    def pointer(self, buffer: Any) -> int:
+        return int(buffer.data.ptr) if self.cupy is not None else int(buffer.data_ptr())
+
+    def empty_bytes(self, n: int) -> Any:
+        n = max(n, 1)
+        if self.cupy is not None:
+            return self.cupy.empty(n, dtype=self.cupy.uint8)
+        return self.torch.empty(n, dtype=self.torch.uint8, device="cuda")
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if self.cupy is not None:
+            self.cupy.copyto(dst, src)
+        else:
+            dst.copy_(src)
+
+    def time_ms(self, fn: Any, repeats: int) -> float:
+        fn()
+        if self.cupy is not None:
+            start, stop = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        else:
+            start, stop = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(
+                self.cupy.cuda.get_elapsed_time(start, stop) if self.cupy else start.elapsed_time(stop)
+            )
+        return float(np.median(times))
+
+    def synchronize(self) -> None:
+        if self.cupy is not None:
+            self.cupy.cuda.Device().synchronize()
+        else:
+            self.torch.cuda.synchronize()
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    i64p, vpp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
+    lib.adasum_cuda_workspace_bytes.argtypes = [ctypes.c_int, i64p]
+    lib.adasum_cuda_workspace_bytes.restype = ctypes.c_size_t
+    ptr, dp, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int
+    # (dtype, n, a, b, sizes, dot_norms on the device, workspace, stream)
+    lib.adasum_cuda_dot_norms.argtypes = [i32, i32, vpp, vpp, i64p, ptr, ptr, ptr]
+    # (dtype, n, a, b, dot_norms on the host, out, sizes, workspace, stream)
+    lib.adasum_cuda_combine.argtypes = [i32, i32, vpp, vpp, dp, vpp, i64p, ptr, ptr]
+    lib.adasum_cuda_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+class Pair:
+    """One adasum_pair call's buffers and launcher arguments."""
+
+    def __init__(self, lib: ctypes.CDLL, dev: Device, a: list[np.ndarray], b: list[np.ndarray], dtype: str):
+        self.lib, self.dev, self.dtype, self.n = lib, dev, dtype, len(a)
+        self.a = [dev.upload(x, dtype) for x in a]
+        self.b = [dev.upload(y, dtype) for y in b]
+        self.out = [dev.upload(np.zeros_like(x), dtype) for x in a]
+        void_array = ctypes.c_void_p * self.n
+        self.a_ptrs = void_array(*[dev.pointer(x) for x in self.a])
+        self.b_ptrs = void_array(*[dev.pointer(x) for x in self.b])
+        self.out_ptrs = void_array(*[dev.pointer(x) for x in self.out])
+        self.sizes = (ctypes.c_int64 * self.n)(*[x.size for x in a])
+        self.workspace = dev.empty_bytes(lib.adasum_cuda_workspace_bytes(self.n, self.sizes))
+        self.dot_norms = dev.upload(np.zeros(3 * self.n), "float64")
+
+    def check(self, error: int) -> None:
+        if error:
+            raise RuntimeError(self.lib.adasum_cuda_error_string(error).decode())
+
+    def run(self) -> np.ndarray:
+        self.check(
+            self.lib.adasum_cuda_dot_norms(
+                DTYPE_CODES[self.dtype],
+                self.n,
+                self.a_ptrs,
+                self.b_ptrs,
+                self.sizes,
+                self.dev.pointer(self.dot_norms),
+                self.dev.pointer(self.workspace),
+                None,
+            )
+        )
+        host = self.dev.download(self.dot_norms, "float64")  # combine takes dot_norms on the host
+        self.check(
+            self.lib.adasum_cuda_combine(
+                DTYPE_CODES[self.dtype],
+                self.n,
+                self.a_ptrs,
+                self.b_ptrs,
+                host.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+                self.out_ptrs,
+                self.sizes,
+                self.dev.pointer(self.workspace),
+                None,
+            )
+        )
+        self.dev.synchronize()
+        return host.reshape(self.n, 3)
+
+
+def cases(rng: np.random.Generator, dtype: str) -> dict[str, tuple[list[np.ndarray], list[np.ndarray]]]:
+    sizes = [1, 7, 1031, 2**20 + 3]
+    many = rng.integers(0, 3000, 500)
+    mask = rng.random(999) < 0.5
+    x = rng.standard_normal(4099)
+    small, large = (1e-3, 1e3) if dtype == "float16" else (1e-20, 1e20)
+    return {
+        "mixed_signs": ([rng.standard_normal(n) for n in sizes], [rng.standard_normal(n) * 3 for n in sizes]),
+        "orthogonal": ([rng.standard_normal(999) * mask], [rng.standard_normal(999) * ~mask]),
+        "identical": ([x], [x.copy()]),
+        "zero_and_empty": ([np.zeros(77), np.zeros(0)], [rng.standard_normal(77), np.zeros(0)]),
+        "many_tensors": ([rng.standard_normal(n) for n in many], [rng.standard_normal(n) for n in many]),
+        "dynamic_range": ([rng.standard_normal(4096) * small], [rng.standard_normal(4096) * large]),
+    }
+
+
+def rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The values the device sees after upload, in float64."""
+    if dtype == "bfloat16":
+        bits = values.astype(np.float32).view(np.uint32) >> 16
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return values.astype(dtype).astype(np.float64)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--library", type=Path, default=ROOT / "build" / "libadasum_cuda.so")
+    parser.add_argument("--size-log2", type=int, default=26)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    lib, dev = load(args.library), Device()
+    rng = np.random.default_rng(0)
+    for dtype in DTYPE_CODES:
+        for name, (a, b) in cases(rng, dtype).items():
+            a_in, b_in = [rounded(x, dtype) for x in a], [rounded(y, dtype) for y in b]
+            pair = Pair(lib, dev, a_in, b_in, dtype)
+            pair.run()
+            for got, x, y in zip(pair.out, a_in, b_in, strict=True):
+                oracle.assert_adasum_close(dev.download(got, dtype), x, y, dtype)
+            if name == "identical":
+                assert np.array_equal(dev.download(pair.out[0], dtype), a_in[0]), "adasum(a, a) != a"
+            print(json.dumps({"check": name, "dtype": dtype, "ok": True}), flush=True)
+
+    n = 2**args.size_log2
+    for dtype in ("float32", "float16"):
+        pair = Pair(lib, dev, [rng.standard_normal(n)], [rng.standard_normal(n)], dtype)
+        itemsize = 2 if dtype == "float16" else 4
+        pair_ms = dev.time_ms(pair.run, args.repeats)
+        copy_ms = dev.time_ms(lambda p=pair: dev.copy(p.out[0], p.a[0]), args.repeats)
+        copy_gbps = 2 * n * itemsize / copy_ms / 1e6
+        pair_gbps = 5 * n * itemsize / pair_ms / 1e6
+        row = {"bench": "pair", "dtype": dtype, "elements": n, "pair_ms": round(pair_ms, 4)}
+        row |= {"copy_gbps": round(copy_gbps, 1), "pair_gbps": round(pair_gbps, 1)}
+        print(json.dumps(row | {"copy_fraction": round(pair_gbps / copy_gbps, 3)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

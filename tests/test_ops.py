@@ -1,0 +1,259 @@
+"""The fused ops against the numpy oracle, their exact properties, and their errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import oracle
+from tf_adasum import ops
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+Case = tuple[list[np.ndarray], list[np.ndarray]]
+
+
+def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def case_random_mixed_signs(rng: np.random.Generator, dtype: str) -> Case:
+    shapes = [(3, 5), (7,), (1031,), (2, 2, 2), ()]
+    return [_normal(rng, *s) for s in shapes], [_normal(rng, *s) * 3 for s in shapes]
+
+
+def case_orthogonal(rng: np.random.Generator, dtype: str) -> Case:
+    mask = rng.random(999) < 0.5
+    signs = np.array([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]], np.float64)  # Hadamard rows
+    a = [_normal(rng, 999) * mask, np.tile(signs[1], 64) * 2, np.tile(signs[0], 8)]
+    b = [_normal(rng, 999) * ~mask, np.tile(signs[2], 64) * 5, np.tile(signs[2], 8)]
+    return a, b
+
+
+def case_identical(rng: np.random.Generator, dtype: str) -> Case:
+    a = [_normal(rng, 1031), _normal(rng, 4, 9)]
+    return a, [x.copy() for x in a]
+
+
+def case_parallel_different_norms(rng: np.random.Generator, dtype: str) -> Case:
+    a = [_normal(rng, 513), _normal(rng, 8, 8)]
+    return a, [4.0 * x for x in a]
+
+
+def case_one_zero(rng: np.random.Generator, dtype: str) -> Case:
+    return [np.zeros(77), _normal(rng, 77)], [_normal(rng, 77), np.zeros(77)]
+
+
+def case_empty(rng: np.random.Generator, dtype: str) -> Case:
+    return [np.zeros(0), np.zeros((3, 0)), _normal(rng, 5)], [np.zeros(0), np.zeros((3, 0)), _normal(rng, 5)]
+
+
+def case_odd_sizes(rng: np.random.Generator, dtype: str) -> Case:
+    sizes = [1, 7, 1031, 2**20 + 3]
+    return [_normal(rng, n) for n in sizes], [_normal(rng, n) for n in sizes]
+
+
+def case_many_tensors(rng: np.random.Generator, dtype: str) -> Case:
+    sizes = rng.integers(0, 3000, size=500)
+    return [_normal(rng, n) for n in sizes], [_normal(rng, n) for n in sizes]
+
+
+def case_near_tiny(rng: np.random.Generator, dtype: str) -> Case:
+    tiny = float(ml_dtypes.finfo(tf.as_dtype(dtype).as_numpy_dtype).tiny)
+    a = [tiny * rng.uniform(1, 8, 300) * rng.choice([-1, 1], 300)]
+    b = [tiny * rng.uniform(1, 8, 300) * rng.choice([-1, 1], 300)]
+    return a, b
+
+
+def case_huge_dynamic_range(rng: np.random.Generator, dtype: str) -> Case:
+    small, large = (1e-3, 1e3) if dtype == "float16" else (1e-20, 1e20)
+    a = [_normal(rng, 4096) * small, _normal(rng, 33) * large]
+    b = [_normal(rng, 4096) * large, _normal(rng, 33) * small]
+    return a, b
+
+
+CASES = [
+    case_random_mixed_signs,
+    case_orthogonal,
+    case_identical,
+    case_parallel_different_norms,
+    case_one_zero,
+    case_empty,
+    case_odd_sizes,
+    case_many_tensors,
+    case_near_tiny,
+    case_huge_dynamic_range,
+]
+
+
+# Conversions go through numpy and ml_dtypes: TensorFlow's own Cast flushes subnormals to zero.
+def _to_tf(values: list[np.ndarray], dtype: str) -> list[tf.Tensor]:
+    return [tf.constant(np.asarray(v).astype(tf.as_dtype(dtype).as_numpy_dtype)) for v in values]
+
+
+def _to_np(tensors: list[tf.Tensor]) -> list[np.ndarray]:
+    return [t.numpy().astype(np.float64) for t in tensors]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adasum_pair_matches_oracle(dtype: str, case: Callable[..., Case], run: Callable[..., Any]) -> None:
+    a_np, b_np = case(np.random.default_rng(7), dtype)
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    a_in, b_in = _to_np(a), _to_np(b)  # the values after rounding to dtype: what the oracle must see
+    got = run(ops.adasum_pair, a, b)
+    assert [t.dtype for t in got] == [tf.as_dtype(dtype)] * len(a)
+    for g, x, y in zip(_to_np(got), a_in, b_in, strict=True):
+        oracle.assert_adasum_close(g, x, y, dtype)
+
+    dot_norms = run(ops.adasum_dot_norms, a, b).numpy()
+    assert dot_norms.shape == (len(a), 3) and dot_norms.dtype == np.float64
+    for row, x, y in zip(dot_norms, a_in, b_in, strict=True):
+        slack = 2 * x.size * np.finfo(np.float64).eps * oracle.dot_norms(np.abs(x), np.abs(y))
+        want = oracle.dot_norms(x, y)
+        assert np.all(np.abs(row - want) <= slack + 1e-300), f"dot_norms {row}, expected {want}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_properties(dtype: str, run: Callable[..., Any]) -> None:
+    rng = np.random.default_rng(3)
+    a_np, b_np = case_orthogonal(rng, dtype)
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    for got, x, y in zip(run(ops.adasum_pair, a, b), a, b, strict=True):
+        np.testing.assert_array_equal(_to_np([got])[0], _to_np([x + y])[0], err_msg="orthogonal: a + b")
+
+    x = _to_tf([_normal(rng, 1031), _normal(rng, 5, 5)], dtype)
+    for got, want in zip(run(ops.adasum_pair, x, [tf.identity(t) for t in x]), x, strict=True):
+        np.testing.assert_array_equal(_to_np([got])[0], _to_np([want])[0], err_msg="adasum(a, a) = a")
+
+    zero = [tf.zeros_like(t) for t in x]
+    for got, want in zip(run(ops.adasum_pair, zero, x), x, strict=True):
+        np.testing.assert_array_equal(_to_np([got])[0], _to_np([want])[0], err_msg="adasum(0, b) = b")
+
+    equal_norm = _to_tf([np.full(64, 0.75)], dtype)
+    got = run(ops.adasum_pair, equal_norm, equal_norm)[0]
+    np.testing.assert_array_equal(_to_np([got])[0], np.full(64, 0.75), err_msg="parallel, equal norm: mean")
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_symmetric_and_scale_equivariant(dtype: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    shapes = [(17,), (300, 3), (4097,)]
+    a = _to_tf([_normal(rng, *s) for s in shapes], dtype)
+    b = _to_tf([_normal(rng, *s) * 10 for s in shapes], dtype)
+    ab, ba = _to_np(ops.adasum_pair(a, b)), _to_np(ops.adasum_pair(b, a))
+    for x, y in zip(ab, ba, strict=True):
+        np.testing.assert_array_equal(x, y, err_msg="adasum(a, b) == adasum(b, a) bitwise")
+
+    # A power of two scales every sum exactly, so the coefficients and the result scale exactly.
+    scaled = _to_np(ops.adasum_pair([t * 4 for t in a], [t * 4 for t in b]))
+    for x, y in zip(scaled, ab, strict=True):
+        np.testing.assert_array_equal(x, 4 * y)
+    # Any other positive c: equal up to rounding of the scaled inputs.
+    c = 3.7
+    a_c, b_c = [t * c for t in a], [t * c for t in b]
+    for got, x, y in zip(_to_np(ops.adasum_pair(a_c, b_c)), _to_np(a_c), _to_np(b_c), strict=True):
+        oracle.assert_adasum_close(got, x, y, dtype)
+
+
+def test_results_do_not_depend_on_neighbours_or_threads() -> None:
+    rng = np.random.default_rng(0)
+    big = [tf.constant(_normal(rng, 2**21 + 5), tf.float32) for _ in range(2)]
+    small = [tf.constant(_normal(rng, n), tf.float32) for n in (3, 70000)]
+    alone = ops.adasum_dot_norms(big[:1], big[1:]).numpy()
+    among = ops.adasum_dot_norms([small[0], big[0], small[1]], [small[0], big[1], small[1]]).numpy()
+    np.testing.assert_array_equal(alone[0], among[1])
+    again = ops.adasum_dot_norms(big[:1], big[1:]).numpy()
+    np.testing.assert_array_equal(alone, again)
+
+
+def test_single_tensor_in_single_tensor_out() -> None:
+    got = ops.adasum_pair(tf.constant([1.0, 0.0]), tf.constant([0.0, 1.0]))
+    assert isinstance(got, tf.Tensor)
+    np.testing.assert_array_equal(got.numpy(), [1.0, 1.0])
+    assert ops.adasum_pair([], []) == []
+    assert ops.adasum_dot_norms([], []).shape == (0, 3)
+
+
+def test_inputs_survive_the_in_place_combine() -> None:
+    a = tf.constant(np.arange(1.0, 9.0, dtype=np.float32))
+    b = tf.constant(np.ones(8, np.float32))
+    before = a.numpy().copy(), b.numpy().copy()
+    ops.adasum_pair([a], [b])
+    np.testing.assert_array_equal(a.numpy(), before[0])
+    np.testing.assert_array_equal(b.numpy(), before[1])
+
+
+# Bad input: each raises a clear error that names the tensor, eagerly and in a graph.
+
+
+def test_mismatched_list_lengths() -> None:
+    with pytest.raises(ValueError, match="a has 2 tensors but b has 1"):
+        ops.adasum_pair([tf.ones(3), tf.ones(3)], [tf.ones(3)])
+
+
+def test_mismatched_shapes(run: Callable[..., Any]) -> None:
+    a, b = [tf.ones(3), tf.ones([4, 5])], [tf.ones(3), tf.ones([4, 6])]
+    with pytest.raises(
+        (ValueError, tf.errors.InvalidArgumentError), match=r"tensor 1 of 2 has shape \[4,5\]"
+    ):
+        run(ops.adasum_pair, a, b)
+
+
+def test_mixed_dtypes() -> None:
+    with pytest.raises(TypeError, match="tensor 2 of 4 has dtype float16 but tensor 0 has float32"):
+        ops.adasum_dot_norms([tf.ones(2), tf.ones(2)], [tf.ones(2, tf.float16), tf.ones(2)])
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.uint8, tf.bool, tf.complex64])
+def test_non_float_dtypes_are_refused(dtype: tf.DType) -> None:
+    x = tf.zeros(3, dtype)
+    with pytest.raises(TypeError, match=f"tensor 0 of 2 has dtype {dtype.name}; Adasum needs float16"):
+        ops.adasum_pair([x], [x])
+    # The raw op refuses them too, rather than reading memory as the wrong type.
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError, tf.errors.NotFoundError)):
+        ops.load_library().adasum_dot_norms(a=[x], b=[x])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_inputs_give_an_error_naming_the_tensor(bad: float, run: Callable[..., Any]) -> None:
+    a = [tf.ones(4), tf.constant([1.0, bad, 0.0])]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="tensor 1 of 2 has a non-finite"):
+        run(ops.adasum_pair, a, [tf.ones(4), tf.ones(3)])
+
+
+def test_dot_norms_of_the_wrong_shape() -> None:
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match=r"\[1, 3\]|Dimension"):
+        ops.adasum_combine([tf.ones(3)], [tf.ones(3)], tf.zeros([2, 3], tf.float64))
+
+
+# The loader.
+
+
+def test_missing_library_names_path_and_rebuild(tmp_path: Any) -> None:
+    path = tmp_path / "_adasum_ops.so"
+    with pytest.raises(ImportError, match=f"{path} does not exist.*make build"):
+        ops.load_library(path)
+
+
+def test_library_for_another_tensorflow_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / "_adasum_ops.so"
+    path.write_bytes(b"\x7fELF...TF_ADASUM_BUILT_FOR_TF=2.3.0;...")
+    with pytest.raises(ImportError, match=rf"built for TensorFlow 2\.3\.0 but TensorFlow {tf.__version__}"):
+        ops.load_library(path)
+
+
+def test_unloadable_library_is_reported(tmp_path: Any) -> None:
+    path = tmp_path / "_adasum_ops.so"
+    path.write_bytes(f"not an ELF file TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode())
+    with pytest.raises(ImportError, match=r"could not be loaded.*make build"):
+        ops.load_library(path)
+
+
+def test_installed_library_records_this_tensorflow() -> None:
+    assert f"TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode() in ops.LIBRARY_PATH.read_bytes()
