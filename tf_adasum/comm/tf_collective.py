@@ -1,0 +1,151 @@
+"""TensorFlow's collective runtime: processes configured by TF_CONFIG, as for MultiWorkerMirroredStrategy.
+
+Exchanges are CollectiveGatherV2 in groups of two; sums are CollectiveReduceV2. Everything is in-graph,
+so it works eagerly and inside tf.function. Two details matter:
+- Ordering tokens: every collective of this process takes the same resource handle as its ordering
+  token, so automatic control dependencies run them in program order. Without it several
+  collectives in one tf.function can start in different orders on different workers and deadlock.
+- Keys: a group key is derived from the group's members; the instance key counts the collectives
+  created for that group. Members create the same collectives on a group in the same order, so the
+  keys agree on every worker without any coordination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
+
+
+def _group_key(members: Sequence[int]) -> int:
+    # Far above the small keys MultiWorkerMirroredStrategy hands out for its own collectives.
+    digest = hashlib.sha256(repr(tuple(members)).encode()).digest()
+    return (1 << 30) + int.from_bytes(digest[:4], "little") % (1 << 30)
+
+
+class TFCollectiveCommunicator(Communicator):
+    """The workers of TF_CONFIG's cluster, one CPU device each."""
+
+    engine = "tf"
+
+    def __init__(self) -> None:
+        config = json.loads(os.environ["TF_CONFIG"])
+        task_type, task_id = config["task"]["type"], int(config["task"]["index"])
+        workers = config["cluster"][task_type]
+        hosts = [address.rsplit(":", 1)[0] for address in workers]
+        same_host = [i for i, h in enumerate(hosts) if h == hosts[task_id]]
+        super().__init__(task_id, len(workers), same_host.index(task_id), len(same_host))
+        # The strategy starts this worker's gRPC server and turns on the collective runtime.
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds())
+        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        self.device = f"/job:{task_type}/replica:0/task:{task_id}/device:CPU:0"
+        self._instances: dict[int, int] = defaultdict(int)
+        with tf.init_scope(), tf.device(self.device):
+            self._token = tf.Variable(0.0, trainable=False, name="tf_adasum_ordering_token")
+        # Where each rank lands in a gather's output: the runtime sorts members by device name. The
+        # same comparator orders every subgroup, so one gather over everybody calibrates them all.
+        with tf.init_scope():
+            order = self._collective(
+                "gather", tf.constant([self.rank], tf.int64), range(self.size), "start-up"
+            )
+        self._position = {int(r): i for i, r in enumerate(order.numpy())}
+
+    def _collective(self, kind: str, x: tf.Tensor, members: Sequence[int], what: str) -> tf.Tensor:
+        members = sorted(members)
+        key = _group_key(members)
+        self._instances[key] += 1
+        args: dict[str, Any] = {
+            "group_size": len(members),
+            "group_key": key,
+            "instance_key": self._instances[key],
+            "ordering_token": [self._token.handle],
+            "communication_hint": "auto",
+            "timeout_seconds": timeout_seconds(),
+        }
+        try:
+            with tf.device(self.device):
+                if kind == "gather":
+                    return tf.raw_ops.CollectiveGatherV2(input=x, **args)
+                return tf.raw_ops.CollectiveReduceV2(input=x, merge_op="Add", final_op="Id", **args)
+        except (
+            tf.errors.DeadlineExceededError,
+            tf.errors.UnavailableError,
+            tf.errors.CancelledError,
+        ) as error:
+            others = [m for m in members if m != self.rank]
+            raise PeerError(
+                f"rank {self.rank}: {what} with rank(s) {others} failed within {timeout_seconds():.0f} s "
+                f"(TF_ADASUM_TIMEOUT_SECONDS): {error.message.splitlines()[0]}"
+            ) from error
+
+    def _gather(self, x: tf.Tensor, members: Sequence[int], what: str) -> tf.Tensor:
+        # The runtime gathers only float16/32/64 and int32/64. A gather moves bits without arithmetic,
+        # so bfloat16 travels as float16 bits and narrow integers are widened.
+        if x.dtype == tf.bfloat16:
+            return tf.bitcast(
+                self._collective("gather", tf.bitcast(x, tf.float16), members, what), tf.bfloat16
+            )
+        if x.dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64):
+            return self._collective("gather", x, members, what)
+        wide = tf.int64 if x.dtype in (tf.uint32, tf.uint64) else tf.int32
+        return tf.cast(self._collective("gather", tf.cast(x, wide), members, what), x.dtype)
+
+    def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
+        sent = int(send.shape[0])
+        n = max(sent, recv_size)  # the peer computes the same n: its sizes are ours swapped
+        if n == 0:
+            return send[:0]
+        padded = tf.pad(send, [[0, n - sent]]) if n > sent else send
+        both = self._gather(padded, [self.rank, peer], what)
+        start = n if self._position[peer] > self._position[self.rank] else 0
+        received = both[start : start + recv_size]
+        received.set_shape([recv_size])  # the gather's output shape is unknown inside a graph
+        return received
+
+    def group_sum(self, values: tf.Tensor, group: Sequence[int], what: str) -> tf.Tensor:
+        total = self._collective("reduce", values, group, what)
+        total.set_shape(values.shape)
+        return total
+
+    def _in_rank_order(self, gathered: tf.Tensor) -> tf.Tensor:
+        by_rank = [self._position[r] for r in range(self.size)]
+        return tf.gather(gathered, by_rank)
+
+    def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
+        stacked = self._in_rank_order(self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather"))
+        stacked.set_shape([self.size, *tensor.shape])
+        return stacked
+
+    def broadcast(self, tensor: tf.Tensor, root: int) -> tf.Tensor:
+        return self.allgather(tensor)[root]
+
+    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
+        if tensor.dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64):
+            total = self._collective("reduce", tensor, range(self.size), "allreduce")
+        else:
+            wide = tf.float32 if tensor.dtype.is_floating else tf.int64
+            total = tf.cast(
+                self._collective("reduce", tf.cast(tensor, wide), range(self.size), "allreduce"), tensor.dtype
+            )
+        total.set_shape(tensor.shape)
+        return total
+
+    def allgather_object(self, obj: Any, what: str) -> list[Any]:
+        with tf.init_scope():  # eager even while a tf.function is being traced
+            data = np.frombuffer(pickle.dumps(obj), np.uint8).astype(np.int32)
+            sizes = self.allgather(tf.constant(data.size, tf.int64)).numpy()
+            padded = np.zeros(int(sizes.max()), np.int32)
+            padded[: data.size] = data
+            rows = self.allgather(tf.constant(padded)).numpy()
+        return [
+            pickle.loads(row[:size].astype(np.uint8).tobytes()) for row, size in zip(rows, sizes, strict=True)
+        ]

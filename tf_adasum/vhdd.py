@@ -1,0 +1,140 @@
+"""Adasum across processes: vector-halving, distance-doubling (VHDD) on the communicator interface.
+
+For P ranks (any P >= 1), with p2 the largest power of two <= P and r = P - p2:
+
+1. Fold: rank 2i+1 sends its buffer to rank 2i, which combines them (i < r). The p2 remaining ranks
+   get virtual ranks 0..p2-1 (rank 2i -> i for i < r, rank j -> j - r above), so the pairs of the
+   contract tree (tree.py) are neighbours in virtual rank.
+2. Halving: at levels L = 1, 2, ..., p2/2 a rank and its peer (virtual rank XOR L) hold the same
+   segment; the lower keeps the first half and sends the second, the upper the opposite. Each computes
+   per-tensor partial (a.b, |a|^2, |b|^2) on its half, where a is the lower block's vector; the partials
+   are summed over the aligned block of 2L ranks, which together hold both subtrees' whole tensors;
+   then each combines its half.
+3. Gather: distance-halving all-gather of the segments.
+4. The folded ranks get the result from their partner.
+
+All tensors of one dtype are fused into one buffer, so every level is one exchange. Each segment is
+computed by exactly one rank and then copied, so every rank ends with bitwise identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum import ops
+from tf_adasum.comm.base import Communicator
+from tf_adasum.tree import fold_size
+
+
+def virtual_to_real(v: int, r: int) -> int:
+    return 2 * v if v < r else v + r
+
+
+def tree_blocks(p: int) -> list[list[int]]:
+    """Every block of ranks whose partial sums are added at some level, level by level."""
+    p2, r = fold_size(p)
+    blocks = []
+    level = 1
+    while level < p2:
+        for start in range(0, p2, 2 * level):
+            blocks.append([virtual_to_real(v, r) for v in range(start, start + 2 * level)])
+        level *= 2
+    return blocks
+
+
+def _pieces(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(tensor index, start, end) of each tensor's part of [lo, hi), positions relative to lo."""
+    first = int(np.searchsorted(offsets, lo, side="right")) - 1
+    out = []
+    for t in range(max(first, 0), len(offsets) - 1):
+        start, end = max(int(offsets[t]), lo), min(int(offsets[t + 1]), hi)
+        if start >= hi:
+            break
+        if end > start:
+            out.append((t, start - lo, end - lo))
+    return out
+
+
+def _combine_segment(
+    comm: Communicator,
+    left: tf.Tensor,
+    right: tf.Tensor,
+    pieces: list[tuple[int, int, int]],
+    n: int,
+    block: list[int],
+) -> tf.Tensor:
+    """Adasum of the segment's pieces, with dot products and norms summed over `block`."""
+    lefts = [left[s:e] for _, s, e in pieces]
+    rights = [right[s:e] for _, s, e in pieces]
+    partial = ops.adasum_dot_norms(lefts, rights)
+    index = tf.constant([[t] for t, _, _ in pieces], tf.int64, shape=[len(pieces), 1])
+    # One row per tensor on every rank of the block, zero where this rank holds none of it.
+    per_tensor = tf.scatter_nd(index, partial, [n, 3])
+    flat = tf.reshape(per_tensor, [-1])
+    total = flat if len(block) == 1 else comm.group_sum(flat, block, "adasum block sum")
+    if not pieces:
+        return left
+    rows = tf.gather(tf.reshape(total, [n, 3]), index[:, 0])
+    return tf.concat(ops.adasum_combine(lefts, rights, rows), 0)
+
+
+def vhdd_fused(comm: Communicator, buffer: tf.Tensor, sizes: Sequence[int]) -> tf.Tensor:
+    """Adasum over all ranks of a fused 1-D buffer holding tensors of the given sizes, per tensor."""
+    p2, r = fold_size(comm.size)
+    rank, total = comm.rank, int(sum(sizes))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    everything = _pieces(offsets, 0, total)
+    if total == 0:
+        return buffer
+
+    if rank < 2 * r:
+        if rank % 2 == 1:  # folded away: hand over, then wait for the result
+            comm.exchange(rank - 1, buffer, 0, "adasum fold")
+            return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
+        other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
+        buffer = _combine_segment(comm, buffer, other, everything, len(sizes), [rank])
+    v = rank // 2 if rank < 2 * r else rank - r
+
+    lo, hi, level = 0, total, 1
+    path = []
+    while level < p2:
+        peer = virtual_to_real(v ^ level, r)
+        mid = lo + (hi - lo) // 2
+        lower = (v & level) == 0
+        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
+        mine = buffer[keep[0] - lo : keep[1] - lo]
+        theirs = comm.exchange(peer, buffer[give[0] - lo : give[1] - lo], keep[1] - keep[0], "adasum halving")
+        left, right = (mine, theirs) if lower else (theirs, mine)
+        start = v - v % (2 * level)
+        block = [virtual_to_real(u, r) for u in range(start, start + 2 * level)]
+        buffer = _combine_segment(comm, left, right, _pieces(offsets, *keep), len(sizes), block)
+        path.append((peer, lower, hi - lo))
+        lo, hi = keep
+        level *= 2
+
+    for peer, lower, parent_size in reversed(path):
+        theirs = comm.exchange(peer, buffer, parent_size - (hi - lo), "adasum gather")
+        buffer = tf.concat([buffer, theirs] if lower else [theirs, buffer], 0)
+        lo, hi = (lo, lo + parent_size) if lower else (hi - parent_size, hi)
+
+    if rank < 2 * r:
+        comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
+    return buffer
+
+
+def vhdd_allreduce(comm: Communicator, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Adasum of every rank's tensors by the contract tree; tensors of each dtype are fused."""
+    if comm.size == 1:
+        return list(tensors)
+    out: list[tf.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
+        fused = tf.concat([tf.reshape(tensors[i], [-1]) for i in index], 0)
+        combined = vhdd_fused(comm, fused, sizes)
+        for i, piece in zip(index, tf.split(combined, sizes), strict=True):
+            out[i] = tf.reshape(piece, tensors[i].shape)
+    return [t for t in out if t is not None]
