@@ -138,8 +138,38 @@ class MPICommunicator(Communicator):
 
         return self._host(run, [tensor], tensor.dtype, tensor.shape)
 
+    def _wait_objects(self, requests: dict[int, Any], what: str) -> dict[int, Any]:
+        """Polls pickled-object receives until all arrive; a timeout names the ranks still missing."""
+        received: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_seconds()
+        polls = 0
+        while len(received) < len(requests):
+            for source, request in requests.items():
+                if source not in received:
+                    done, value = request.test()
+                    if done:
+                        received[source] = value
+            polls += 1
+            if polls > _BUSY_POLLS and len(received) < len(requests):
+                if time.monotonic() > deadline:
+                    missing = sorted(set(requests) - set(received))
+                    raise PeerError(
+                        f"rank {self.rank}: {what} got no answer from rank(s) {missing} within "
+                        f"{timeout_seconds():.0f} s (TF_ADASUM_TIMEOUT_SECONDS): they died, hang, or never "
+                        "called this collective"
+                    )
+                time.sleep(_POLL_SLEEP_SECONDS)
+        return received
+
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
-        # The barrier proves every rank has arrived, with a deadline; the blocking allgather after it
-        # then cannot hang on a missing rank.
-        self._wait([self._comm.Ibarrier()], what, "all ranks")
-        return list(self._comm.allgather(obj))
+        # Through rank 0, point to point, so a timeout can say exactly which rank never arrived.
+        if self.rank == 0:
+            requests = {r: self._comm.irecv(source=r, tag=11) for r in range(1, self.size)}
+            everyone = [obj, *[v for _, v in sorted(self._wait_objects(requests, what).items())]]
+            sends = [self._comm.isend(everyone, dest=r, tag=12) for r in range(1, self.size)]
+            self._wait(sends, what, "all ranks")
+            return everyone
+        send = self._comm.isend(obj, dest=0, tag=11)
+        everyone = self._wait_objects({0: self._comm.irecv(source=0, tag=12)}, what)[0]
+        self._wait([send], what, "rank 0")
+        return list(everyone)

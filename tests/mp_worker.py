@@ -1,0 +1,90 @@
+"""One process of a multi-process test, under `mpirun` or `python -m tf_adasum.run`.
+
+Usage:
+    worker.py OUT_DIR checks    # allreduce / broadcast results, then a shape mismatch, into OUT_DIR
+    worker.py OUT_DIR dead      # rank 1 exits after init; the others try an allreduce
+    worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
+
+Each rank's data comes from rank_tensors(rank), which the test also uses to build the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+import tensorflow as tf
+
+import tf_adasum
+
+SHAPES = [
+    ((3, 5), "float32"),
+    ((0,), "float32"),
+    ((1031,), "float64"),
+    ((7,), "float32"),
+    ((2, 2), "float64"),
+]
+
+
+def rank_tensors(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    return [(rng.standard_normal(shape) * (rank + 1)).astype(dtype) for shape, dtype in SHAPES]
+
+
+def checks(out: Path) -> None:
+    comm = tf_adasum.init()
+    rank = comm.rank
+    tensors = [tf.constant(x) for x in rank_tensors(rank)]
+    results: dict[str, np.ndarray] = {}
+    for i, t in enumerate(tf_adasum.allreduce(tensors)):
+        results[f"adasum_eager_{i}"] = t.numpy()
+    in_graph = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    for i, t in enumerate(in_graph(tensors)):
+        results[f"adasum_function_{i}"] = t.numpy()
+    results["sum"] = tf_adasum.allreduce(tf.constant([rank, 1], tf.int32), op=tf_adasum.Sum).numpy()
+    results["average"] = tf_adasum.allreduce(tf.constant([float(rank)]), op=tf_adasum.Average).numpy()
+    results["broadcast"] = tf_adasum.broadcast(tf.constant([10.0 * rank, 1.0]), root=comm.size - 1).numpy()
+    np.savez(out / f"rank{rank}.npz", **results)
+
+    # A rank whose tensor differs: every rank must raise, before any data moves.
+    mismatched = [tf.ones([4, 6] if rank == 1 else [4, 5]), tf.ones([2])]
+    try:
+        tf_adasum.allreduce(mismatched)
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    info = {"engine": comm.engine, "size": comm.size, "local_rank": comm.local_rank, "mismatch": message}
+    (out / f"rank{rank}.json").write_text(json.dumps(info))
+
+
+def missing_peer(out: Path, exits: bool) -> None:
+    comm = tf_adasum.init()
+    if comm.rank == 1:
+        if exits:
+            os._exit(0)  # leaves without a word, as a crashed worker would
+        time.sleep(600)  # alive, but never arrives: the others must not wait for it forever
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        tf_adasum.allreduce([tf.ones([1000])])
+        message = "no error"
+    except tf_adasum.PeerError as error:
+        message = str(error)
+    info = {"message": message, "seconds": time.monotonic() - start}
+    (out / f"rank{comm.rank}.json").write_text(json.dumps(info))
+    sys.stdout.flush()
+    os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that left
+
+
+if __name__ == "__main__":
+    mode, out_dir = sys.argv[2], Path(sys.argv[1])
+    if mode == "checks":
+        checks(out_dir)
+    else:
+        missing_peer(out_dir, exits=mode == "dead")

