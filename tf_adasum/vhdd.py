@@ -67,8 +67,9 @@ def _combine_segment(
     block: list[int],
 ) -> tf.Tensor:
     """Adasum of the segment's pieces, with dot products and norms summed over `block`."""
-    lefts = [left[s:e] for _, s, e in pieces]
-    rights = [right[s:e] for _, s, e in pieces]
+    # The pieces tile the segment in order, so one split (not a slice per tensor) cuts them out.
+    lengths = [e - s for _, s, e in pieces]
+    lefts, rights = tf.split(left, lengths), tf.split(right, lengths)
     partial = ops.adasum_dot_norms(lefts, rights)
     index = tf.constant([[t] for t, _, _ in pieces], tf.int64, shape=[len(pieces), 1])
     # One row per tensor on every rank of the block, zero where this rank holds none of it.

@@ -6,6 +6,7 @@ PeerError that names it instead of a hang.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,10 +16,11 @@ import tensorflow as tf
 
 from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
 
-# Spin this many polls before sleeping between them: shared-memory transfers progress only inside
-# MPI calls, so the first milliseconds of a large exchange must poll hard.
-_BUSY_POLLS = 2000
-_POLL_SLEEP_SECONDS = 2e-4
+# Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange progresses only
+# as fast as it is polled: poll without sleeping (yielding the core, for oversubscribed ranks) for
+# this long, then sleep between polls while waiting out a slow or dead peer.
+_SPIN_SECONDS = 2.0
+_POLL_SLEEP_SECONDS = 1e-3
 
 
 class MPICommunicator(Communicator):
@@ -54,12 +56,14 @@ class MPICommunicator(Communicator):
         world.Free()
 
     def _wait(self, requests: list[Any], what: str, peers: str) -> None:
-        deadline = time.monotonic() + timeout_seconds()
-        polls = 0
+        start = time.monotonic()
+        deadline = start + timeout_seconds()
         while not self._mpi.Request.Testall(requests):
-            polls += 1
-            if polls > _BUSY_POLLS:
-                if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - start < _SPIN_SECONDS:
+                os.sched_yield()
+            else:
+                if now > deadline:
                     raise PeerError(
                         f"rank {self.rank}: {what} got no answer from {peers} "
                         f"within {timeout_seconds():.0f} s "
@@ -72,7 +76,8 @@ class MPICommunicator(Communicator):
     ) -> tf.Tensor:
         """Runs fn on numpy arrays: directly when eager, as a stateful numpy_function in a graph."""
         if tf.executing_eagerly():
-            return tf.convert_to_tensor(fn(*[t.numpy() for t in inputs]))
+            # np.asarray shares the tensor's memory; .numpy() would copy it. The functions only read it.
+            return tf.convert_to_tensor(fn(*[np.asarray(t) for t in inputs]))
         out = tf.numpy_function(fn, inputs, dtype, stateful=True)
         out.set_shape(shape)
         return out
@@ -141,17 +146,19 @@ class MPICommunicator(Communicator):
     def _wait_objects(self, requests: dict[int, Any], what: str) -> dict[int, Any]:
         """Polls pickled-object receives until all arrive; a timeout names the ranks still missing."""
         received: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_seconds()
-        polls = 0
+        start = time.monotonic()
+        deadline = start + timeout_seconds()
         while len(received) < len(requests):
             for source, request in requests.items():
                 if source not in received:
                     done, value = request.test()
                     if done:
                         received[source] = value
-            polls += 1
-            if polls > _BUSY_POLLS and len(received) < len(requests):
-                if time.monotonic() > deadline:
+            now = time.monotonic()
+            if len(received) == len(requests) or now - start < _SPIN_SECONDS:
+                os.sched_yield()
+            else:
+                if now > deadline:
                     missing = sorted(set(requests) - set(received))
                     raise PeerError(
                         f"rank {self.rank}: {what} got no answer from rank(s) {missing} within "
