@@ -112,6 +112,53 @@ dot_norms: float64 [N, 3], as made by Adasum>DotNorms.
 out: N tensors; out_i may reuse the buffer of a_i.
 )doc");
 
+// The segment ops take one fused buffer per side and the piece boundaries inside it, so the
+// distributed algorithm needs no split or concat per level. bounds = [0, ..., len(a)], nondecreasing.
+absl::Status SegmentShapes(InferenceContext* c, const char* op, ShapeHandle* buffer, DimensionHandle* pieces) {
+  ShapeHandle a, b, bounds;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &a));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &b));
+  if (!c->Merge(a, b, buffer).ok()) {
+    return errors::InvalidArgument(op, ": a has shape ", c->DebugString(a), " but b has ", c->DebugString(b));
+  }
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(c->num_inputs() - 1), 1, &bounds));
+  return c->Subtract(c->Dim(bounds, 0), 1, pieces);
+}
+
+REGISTER_OP("Adasum>SegmentDotNorms")
+    .Input("a: T")
+    .Input("b: T")
+    .Input("bounds: int64")
+    .Output("dot_norms: double")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle buffer;
+      DimensionHandle pieces;
+      TF_RETURN_IF_ERROR(SegmentShapes(c, "Adasum>SegmentDotNorms", &buffer, &pieces));
+      c->set_output(0, c->Matrix(pieces, 3));
+      return absl::OkStatus();
+    })
+    .Doc("Adasum>DotNorms over the pieces [bounds[i], bounds[i+1]) of two 1-D buffers.");
+
+REGISTER_OP("Adasum>SegmentCombine")
+    .Input("a: T")
+    .Input("b: T")
+    .Input("dot_norms: double")
+    .Input("bounds: int64")
+    .Output("out: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle buffer, dot_norms;
+      DimensionHandle pieces, unused;
+      TF_RETURN_IF_ERROR(SegmentShapes(c, "Adasum>SegmentCombine", &buffer, &pieces));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &dot_norms));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(dot_norms, 0), pieces, &unused));
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dot_norms, 1), 3, &unused));
+      c->set_output(0, buffer);
+      return absl::OkStatus();
+    })
+    .Doc("Adasum>Combine over the pieces [bounds[i], bounds[i+1]) of two 1-D buffers; may reuse a's buffer.");
+
 // The raw pointers and sizes of both input lists, after checking that shapes pair up.
 template <typename T>
 struct PairedInputs {
@@ -135,6 +182,35 @@ absl::Status GetPairedInputs(OpKernelContext* ctx, const char* op, PairedInputs<
     in->a.push_back(reinterpret_cast<const S*>(a[i].flat<T>().data()));
     in->b.push_back(reinterpret_cast<const S*>(b[i].flat<T>().data()));
     in->sizes.push_back(a[i].NumElements());
+  }
+  return absl::OkStatus();
+}
+
+// The pieces of two equal-length 1-D buffers as pointer lists, after checking the bounds.
+template <typename T>
+absl::Status GetSegmentInputs(OpKernelContext* ctx, const char* op, PairedInputs<T>* in) {
+  using S = typename PairedInputs<T>::S;
+  const Tensor& a = ctx->input(0);
+  const Tensor& b = ctx->input(1);
+  const Tensor& bounds = ctx->input(ctx->num_inputs() - 1);
+  if (a.dims() != 1 || a.shape() != b.shape()) {
+    return errors::InvalidArgument(op, ": a and b must be 1-D of one length, got ", a.shape().DebugString(),
+                                   " and ", b.shape().DebugString());
+  }
+  const auto edge = bounds.flat<int64_t>();
+  const int64_t n = a.NumElements();
+  if (bounds.dims() != 1 || edge.size() < 1 || edge(0) != 0 || edge(edge.size() - 1) != n) {
+    return errors::InvalidArgument(op, ": bounds must run from 0 to ", n, ", got ", bounds.DebugString());
+  }
+  const S* a_base = reinterpret_cast<const S*>(a.flat<T>().data());
+  const S* b_base = reinterpret_cast<const S*>(b.flat<T>().data());
+  for (int64_t i = 0; i + 1 < edge.size(); ++i) {
+    if (edge(i + 1) < edge(i)) {
+      return errors::InvalidArgument(op, ": bounds must not decrease, got ", edge(i), " then ", edge(i + 1));
+    }
+    in->a.push_back(a_base + edge(i));
+    in->b.push_back(b_base + edge(i));
+    in->sizes.push_back(edge(i + 1) - edge(i));
   }
   return absl::OkStatus();
 }
@@ -170,14 +246,35 @@ struct CombineFunctor<CPUDevice, T> {
   }
 };
 
-template <typename Device, typename T>
+// Checks a [pieces, 3] dot_norms tensor, which lives in host memory on every device (HostMemory on
+// GPU), and refuses non-finite rows with the index of the tensor.
+absl::Status CheckDotNorms(const char* op, const Tensor& dot_norms, int n) {
+  if (dot_norms.shape() != TensorShape({n, 3})) {
+    return errors::InvalidArgument(op, ": dot_norms must have shape [", n, ", 3] for ", n, " tensors, got ",
+                                   dot_norms.shape().DebugString());
+  }
+  const double* dn = dot_norms.flat<double>().data();
+  for (int i = 0; i < 3 * n; ++i) {
+    if (!std::isfinite(dn[i])) {
+      const int t = i / 3;
+      return errors::InvalidArgument(op, ": tensor ", t, " of ", n, " has a non-finite (a.b, |a|^2, |b|^2) = (",
+                                     dn[3 * t], ", ", dn[3 * t + 1], ", ", dn[3 * t + 2],
+                                     "): a or b holds NaN or Inf, or a squared norm overflows float64");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// kSegments: the inputs are one 1-D buffer per side plus bounds, instead of lists of tensors.
+template <typename Device, typename T, bool kSegments>
 class DotNormsOp : public OpKernel {
  public:
   explicit DotNormsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    const char* op = kSegments ? "Adasum>SegmentDotNorms" : "Adasum>DotNorms";
     PairedInputs<T> in;
-    OP_REQUIRES_OK(ctx, GetPairedInputs(ctx, "Adasum>DotNorms", &in));
+    OP_REQUIRES_OK(ctx, kSegments ? GetSegmentInputs(ctx, op, &in) : GetPairedInputs(ctx, op, &in));
     Tensor* dot_norms = nullptr;
     const int64_t n = static_cast<int64_t>(in.sizes.size());
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, 3}), &dot_norms));
@@ -185,45 +282,46 @@ class DotNormsOp : public OpKernel {
   }
 };
 
-template <typename Device, typename T>
+template <typename Device, typename T, bool kSegments>
 class CombineOp : public OpKernel {
  public:
   explicit CombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     using S = typename Storage<T>::type;
+    const char* op = kSegments ? "Adasum>SegmentCombine" : "Adasum>Combine";
     PairedInputs<T> in;
-    OP_REQUIRES_OK(ctx, GetPairedInputs(ctx, "Adasum>Combine", &in));
+    OP_REQUIRES_OK(ctx, kSegments ? GetSegmentInputs(ctx, op, &in) : GetPairedInputs(ctx, op, &in));
     const int n = static_cast<int>(in.sizes.size());
-    const Tensor& dot_norms = ctx->input(2 * n);
-    OP_REQUIRES(ctx, dot_norms.shape() == TensorShape({n, 3}),
-                errors::InvalidArgument("Adasum>Combine: dot_norms must have shape [", n, ", 3] for ", n,
-                                        " tensors, got ", dot_norms.shape().DebugString()));
-    // dot_norms lives in host memory on every device (HostMemory on GPU), so this check is cheap.
-    const double* dn = dot_norms.flat<double>().data();
-    for (int i = 0; i < 3 * n; ++i) {
-      OP_REQUIRES(ctx, std::isfinite(dn[i]),
-                  errors::InvalidArgument("Adasum>Combine: tensor ", i / 3, " of ", n,
-                                          " has a non-finite (a.b, |a|^2, |b|^2) = (", dn[3 * (i / 3)], ", ",
-                                          dn[3 * (i / 3) + 1], ", ", dn[3 * (i / 3) + 2],
-                                          "): a or b holds NaN or Inf, or a squared norm overflows float64"));
-    }
+    const Tensor& dot_norms = ctx->input(kSegments ? 2 : 2 * n);
+    OP_REQUIRES_OK(ctx, CheckDotNorms(op, dot_norms, n));
     std::vector<S*> out(n);
-    for (int i = 0; i < n; ++i) {
+    if (kSegments) {
       Tensor* t = nullptr;
-      // Input i is a_i and input n + i is b_i; either buffer can hold out_i if nothing else needs it.
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i, n + i}, i, ctx->input(i).shape(), &t));
-      out[i] = reinterpret_cast<S*>(t->flat<T>().data());
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 1}, 0, ctx->input(0).shape(), &t));
+      S* base = reinterpret_cast<S*>(t->flat<T>().data());
+      for (int i = 0; i < n; ++i) out[i] = base + (in.a[i] - reinterpret_cast<const S*>(ctx->input(0).flat<T>().data()));
+    } else {
+      for (int i = 0; i < n; ++i) {
+        Tensor* t = nullptr;
+        // Input i is a_i and input n + i is b_i; either buffer can hold out_i if nothing else needs it.
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i, n + i}, i, ctx->input(i).shape(), &t));
+        out[i] = reinterpret_cast<S*>(t->flat<T>().data());
+      }
     }
-    CombineFunctor<Device, T>()(ctx, in, dn, out);
+    CombineFunctor<Device, T>()(ctx, in, dot_norms.flat<double>().data(), out);
   }
 };
 
-#define REGISTER_CPU(T)                                                                                 \
-  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
-                          DotNormsOp<CPUDevice, T>);                                                    \
-  REGISTER_KERNEL_BUILDER(Name("Adasum>Combine").Device(DEVICE_CPU).TypeConstraint<T>("T"),           \
-                          CombineOp<CPUDevice, T>);
+#define REGISTER_CPU(T)                                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
+                          DotNormsOp<CPUDevice, T, false>);                                               \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>Combine").Device(DEVICE_CPU).TypeConstraint<T>("T"),             \
+                          CombineOp<CPUDevice, T, false>);                                                \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>SegmentDotNorms").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
+                          DotNormsOp<CPUDevice, T, true>);                                                \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>SegmentCombine").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
+                          CombineOp<CPUDevice, T, true>);
 REGISTER_CPU(Eigen::half)
 REGISTER_CPU(Eigen::bfloat16)
 REGISTER_CPU(float)
@@ -291,12 +389,21 @@ struct CombineFunctor<GPUDevice, T> {
   }
 };
 
-#define REGISTER_GPU(T)                                                                                 \
-  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_GPU).TypeConstraint<T>("T"),          \
-                          DotNormsOp<GPUDevice, T>);                                                    \
-  REGISTER_KERNEL_BUILDER(                                                                              \
-      Name("Adasum>Combine").Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("dot_norms"),         \
-      CombineOp<GPUDevice, T>);
+#define REGISTER_GPU(T)                                                                                   \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>DotNorms").Device(DEVICE_GPU).TypeConstraint<T>("T"),            \
+                          DotNormsOp<GPUDevice, T, false>);                                               \
+  REGISTER_KERNEL_BUILDER(                                                                                \
+      Name("Adasum>Combine").Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("dot_norms"),           \
+      CombineOp<GPUDevice, T, false>);                                                                    \
+  REGISTER_KERNEL_BUILDER(                                                                                \
+      Name("Adasum>SegmentDotNorms").Device(DEVICE_GPU).TypeConstraint<T>("T").HostMemory("bounds"),      \
+      DotNormsOp<GPUDevice, T, true>);                                                                    \
+  REGISTER_KERNEL_BUILDER(Name("Adasum>SegmentCombine")                                                   \
+                              .Device(DEVICE_GPU)                                                         \
+                              .TypeConstraint<T>("T")                                                     \
+                              .HostMemory("dot_norms")                                                    \
+                              .HostMemory("bounds"),                                                      \
+                          CombineOp<GPUDevice, T, true>);
 REGISTER_GPU(Eigen::half)
 REGISTER_GPU(Eigen::bfloat16)
 REGISTER_GPU(float)

@@ -257,3 +257,32 @@ def test_unloadable_library_is_reported(tmp_path: Any) -> None:
 
 def test_installed_library_records_this_tensorflow() -> None:
     assert f"TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode() in ops.LIBRARY_PATH.read_bytes()
+
+
+# The segment ops: one fused buffer per side plus piece bounds, as the distributed algorithm uses.
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segment_ops_equal_the_list_ops(dtype: str, run: Callable[..., Any]) -> None:
+    rng = np.random.default_rng(11)
+    sizes = [5, 0, 1031, 1, 64]
+    a_np, b_np = [_normal(rng, n) for n in sizes], [_normal(rng, n) * 2 for n in sizes]
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    fa, fb = tf.concat(a, 0), tf.concat(b, 0)
+    dn = run(ops.adasum_segment_dot_norms, fa, fb, bounds)
+    np.testing.assert_array_equal(dn.numpy(), ops.adasum_dot_norms(a, b).numpy())
+    got = run(ops.adasum_segment_combine, fa, fb, dn, bounds)
+    np.testing.assert_array_equal(_to_np([got])[0], _to_np([tf.concat(ops.adasum_pair(a, b), 0)])[0])
+
+
+def test_segment_bounds_are_checked() -> None:
+    x = tf.ones(10)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bounds must run from 0 to 10"):
+        ops.adasum_segment_dot_norms(x, x, [0, 4, 9])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bounds must not decrease, got 6 then 4"):
+        ops.adasum_segment_dot_norms(x, x, [0, 6, 4, 10])
+    with pytest.raises(
+        (ValueError, tf.errors.InvalidArgumentError), match=r"a has shape|must be 1-D of one length"
+    ):
+        ops.adasum_segment_dot_norms(x, tf.ones(9), [0, 10])

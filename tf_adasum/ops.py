@@ -165,3 +165,29 @@ def adasum_pair(a_list: Any, b_list: Any) -> Any:
     lib = load_library()
     out = lib.adasum_combine(a=a, b=b, dot_norms=lib.adasum_dot_norms(a=a, b=b))
     return out[0] if single else list(out)
+
+
+def adasum_segment_dot_norms(a: tf.Tensor, b: tf.Tensor, bounds: Any) -> tf.Tensor:
+    """adasum_dot_norms over the pieces [bounds[i], bounds[i+1]) of two equal-length 1-D buffers.
+
+    The distributed algorithm works on fused buffers; these let it combine per tensor without cutting
+    the buffer into a list first.
+
+    Args:
+        a, b: 1-D floating tensors of one length and dtype.
+        bounds: int64 [k + 1], from 0 to len(a), nondecreasing.
+
+    Returns:
+        float64 [k, 3].
+    """
+    check_float_tensors("adasum_segment_dot_norms", [tf.convert_to_tensor(a), tf.convert_to_tensor(b)])
+    return load_library().adasum_segment_dot_norms(a=a, b=b, bounds=tf.cast(bounds, tf.int64))
+
+
+def adasum_segment_combine(a: tf.Tensor, b: tf.Tensor, dot_norms: Any, bounds: Any) -> tf.Tensor:
+    """adasum_combine over the pieces [bounds[i], bounds[i+1]) of two 1-D buffers; one 1-D result."""
+    check_float_tensors("adasum_segment_combine", [tf.convert_to_tensor(a), tf.convert_to_tensor(b)])
+    dot_norms = tf.convert_to_tensor(dot_norms, dtype=tf.float64)
+    return load_library().adasum_segment_combine(
+        a=a, b=b, dot_norms=dot_norms, bounds=tf.cast(bounds, tf.int64)
+    )

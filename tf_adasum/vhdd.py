@@ -15,6 +15,11 @@ For P ranks (any P >= 1), with p2 the largest power of two <= P and r = P - p2:
 
 All tensors of one dtype are fused into one buffer, so every level is one exchange. Each segment is
 computed by exactly one rank and then copied, so every rank ends with bitwise identical results.
+
+Every tensor starts, and every halving point falls, on a 64-byte boundary of the fused buffer. A slice
+of a TensorFlow tensor that starts on such a boundary shares its memory, so cutting halves off and
+taking the tensors back out of the result copy nothing. The zero padding between tensors belongs to
+the tensor before it: zeros add nothing to a dot product or a norm, and stay zero when combined.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ def tree_blocks(p: int) -> list[list[int]]:
     return blocks
 
 
+ALIGN_BYTES = 64  # TensorFlow's allocation alignment (EIGEN_MAX_ALIGN_BYTES)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _pieces(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(tensor index, start, end) of each tensor's part of [lo, hi), positions relative to lo."""
     first = int(np.searchsorted(offsets, lo, side="right")) - 1
@@ -67,26 +79,27 @@ def _combine_segment(
     block: list[int],
 ) -> tf.Tensor:
     """Adasum of the segment's pieces, with dot products and norms summed over `block`."""
-    # The pieces tile the segment in order, so one split (not a slice per tensor) cuts them out.
-    lengths = [e - s for _, s, e in pieces]
-    lefts, rights = tf.split(left, lengths), tf.split(right, lengths)
-    partial = ops.adasum_dot_norms(lefts, rights)
-    index = tf.constant([[t] for t, _, _ in pieces], tf.int64, shape=[len(pieces), 1])
-    # One row per tensor on every rank of the block, zero where this rank holds none of it.
-    per_tensor = tf.scatter_nd(index, partial, [n, 3])
-    flat = tf.reshape(per_tensor, [-1])
-    total = flat if len(block) == 1 else comm.group_sum(flat, block, "adasum block sum")
-    if not pieces:
+    if not pieces:  # this rank's segment is empty, but the block sum needs its zeros
+        if len(block) > 1:
+            comm.group_sum(tf.zeros([3 * n], tf.float64), block, "adasum block sum")
         return left
+    bounds = tf.constant([0] + [e for _, _, e in pieces], tf.int64)
+    partial = ops.adasum_segment_dot_norms(left, right, bounds)
+    index = tf.constant([[t] for t, _, _ in pieces], tf.int64)
+    # One row per tensor on every rank of the block, zero where this rank holds none of it.
+    flat = tf.reshape(tf.scatter_nd(index, partial, [n, 3]), [-1])
+    total = flat if len(block) == 1 else comm.group_sum(flat, block, "adasum block sum")
     rows = tf.gather(tf.reshape(total, [n, 3]), index[:, 0])
-    return tf.concat(ops.adasum_combine(lefts, rights, rows), 0)
+    return ops.adasum_segment_combine(left, right, rows, bounds)
 
 
-def vhdd_fused(comm: Communicator, buffer: tf.Tensor, sizes: Sequence[int]) -> tf.Tensor:
-    """Adasum over all ranks of a fused 1-D buffer holding tensors of the given sizes, per tensor."""
+def vhdd_fused(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
+    """Adasum over all ranks of a fused 1-D buffer; tensor i fills [tensor_starts[i], tensor_starts[i+1])."""
     p2, r = fold_size(comm.size)
-    rank, total = comm.rank, int(sum(sizes))
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    offsets = np.asarray(tensor_starts, np.int64)
+    rank, total = comm.rank, int(offsets[-1])
+    n = len(offsets) - 1
+    align = ALIGN_BYTES // buffer.dtype.size
     everything = _pieces(offsets, 0, total)
     if total == 0:
         return buffer
@@ -96,14 +109,14 @@ def vhdd_fused(comm: Communicator, buffer: tf.Tensor, sizes: Sequence[int]) -> t
             comm.exchange(rank - 1, buffer, 0, "adasum fold")
             return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
         other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
-        buffer = _combine_segment(comm, buffer, other, everything, len(sizes), [rank])
+        buffer = _combine_segment(comm, buffer, other, everything, n, [rank])
     v = rank // 2 if rank < 2 * r else rank - r
 
     lo, hi, level = 0, total, 1
     path = []
     while level < p2:
         peer = virtual_to_real(v ^ level, r)
-        mid = lo + (hi - lo) // 2
+        mid = lo + (hi - lo) // 2 // align * align  # aligned, so both halves are views
         lower = (v & level) == 0
         keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
         mine = buffer[keep[0] - lo : keep[1] - lo]
@@ -111,7 +124,7 @@ def vhdd_fused(comm: Communicator, buffer: tf.Tensor, sizes: Sequence[int]) -> t
         left, right = (mine, theirs) if lower else (theirs, mine)
         start = v - v % (2 * level)
         block = [virtual_to_real(u, r) for u in range(start, start + 2 * level)]
-        buffer = _combine_segment(comm, left, right, _pieces(offsets, *keep), len(sizes), block)
+        buffer = _combine_segment(comm, left, right, _pieces(offsets, *keep), n, block)
         path.append((peer, lower, hi - lo))
         lo, hi = keep
         level *= 2
@@ -133,9 +146,24 @@ def vhdd_allreduce(comm: Communicator, tensors: Sequence[tf.Tensor]) -> list[tf.
     out: list[tf.Tensor | None] = [None] * len(tensors)
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        align = ALIGN_BYTES // dtype.size
         sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
-        fused = tf.concat([tf.reshape(tensors[i], [-1]) for i in index], 0)
-        combined = vhdd_fused(comm, fused, sizes)
-        for i, piece in zip(index, tf.split(combined, sizes), strict=True):
-            out[i] = tf.reshape(piece, tensors[i].shape)
+        starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
+        pads = [
+            int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)
+        ]
+        zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
+        parts = []
+        for i, pad in zip(index, pads, strict=True):
+            parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
+        combined = vhdd_fused(comm, tf.concat(parts, 0), starts.tolist())
+        # One split at aligned boundaries (views, not copies); the padding pieces are dropped.
+        lengths: list[int] = []
+        keep: list[int] = []
+        for size, pad in zip(sizes, pads, strict=True):
+            keep.append(len(lengths))
+            lengths += [size, pad] if pad else [size]
+        pieces = tf.split(combined, lengths)
+        for i, k in zip(index, keep, strict=True):
+            out[i] = tf.reshape(pieces[k], tensors[i].shape)
     return [t for t in out if t is not None]

@@ -6,6 +6,7 @@ PeerError that names it instead of a hang.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,17 @@ from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
 # this long, then sleep between polls while waiting out a slow or dead peer.
 _SPIN_SECONDS = 2.0
 _POLL_SLEEP_SECONDS = 1e-3
+
+
+def _writable_view(tensor: tf.Tensor) -> np.ndarray:
+    """A writable numpy view of a fresh eager tensor that nothing else references yet.
+
+    np.asarray(tensor) shares the tensor's memory but is marked read-only; the buffer is ours to
+    fill, since the tensor was just allocated for this receive.
+    """
+    shared = np.asarray(tensor)
+    raw = (ctypes.c_char * shared.nbytes).from_address(shared.ctypes.data)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=shared.dtype)
 
 
 class MPICommunicator(Communicator):
@@ -89,14 +101,23 @@ class MPICommunicator(Communicator):
         # Raw bytes: MPI has no bfloat16 or float16 type, and exchanges never do arithmetic.
         return [np.ascontiguousarray(array).reshape(-1).view(np.uint8), MPI.BYTE]
 
+    def _sendrecv(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        requests = [
+            self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
+            self._comm.Isend(self._bytes(send), dest=peer, tag=7),
+        ]
+        self._wait(requests, what, f"rank {peer}")
+
     def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
+        if tf.executing_eagerly() and recv_size > 0:
+            # Receive straight into a fresh TensorFlow tensor: no copy from numpy afterwards.
+            received = tf.raw_ops.Empty(shape=[recv_size], dtype=send.dtype, init=False)
+            self._sendrecv(peer, np.asarray(send), _writable_view(received), what)
+            return received
+
         def run(x: np.ndarray) -> np.ndarray:
             recv = np.empty(recv_size, x.dtype)
-            requests = [
-                self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
-                self._comm.Isend(self._bytes(x), dest=peer, tag=7),
-            ]
-            self._wait(requests, what, f"rank {peer}")
+            self._sendrecv(peer, x, recv, what)
             return recv
 
         return self._host(run, [send], send.dtype, [recv_size])
