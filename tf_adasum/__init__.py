@@ -15,10 +15,14 @@ from tf_adasum.distributed import (
     rank,
     size,
 )
+from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.strategy import AdasumStrategy
 from tf_adasum.tree import adasum_tree
 
 __all__ = [
     "Adasum",
+    "AdasumOptimizer",
+    "AdasumStrategy",
     "Average",
     "PeerError",
     "ReduceOp",
