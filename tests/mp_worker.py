@@ -4,6 +4,7 @@ Usage:
     worker.py OUT_DIR checks    # allreduce / broadcast results, then a shape mismatch, into OUT_DIR
     worker.py OUT_DIR dead      # rank 1 exits after init; the others try an allreduce
     worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
+    worker.py OUT_DIR fit       # model.fit with AdasumOptimizer, no strategy, one replica per process
 
 Each rank's data comes from rank_tensors(rank), which the test also uses to build the oracle.
 """
@@ -82,9 +83,32 @@ def missing_peer(out: Path, exits: bool) -> None:
     os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that left
 
 
+def fit(out: Path) -> None:
+    import keras
+
+    from tests.test_training import build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    local, steps = 4, 4
+    # Replica r's shard of each global batch, as the simulation in test_training cuts it.
+    rows = np.concatenate(
+        [np.arange(s * local * comm.size, (s + 1) * local * comm.size) for s in range(steps)]
+    )
+    mine = rows.reshape(steps, comm.size, local)[:, comm.rank].reshape(-1)
+    model = build_linear(
+        tf.distribute.get_strategy(), lambda: tf_adasum.AdasumOptimizer(make_inner("sgd_momentum"))
+    )
+    model.fit(x[mine], y[mine], batch_size=local, shuffle=False, verbose=0)
+    assert isinstance(model.optimizer.inner, keras.optimizers.SGD)
+    np.savez(out / f"fit{comm.rank}.npz", *model.get_weights())
+
+
 if __name__ == "__main__":
     mode, out_dir = sys.argv[2], Path(sys.argv[1])
     if mode == "checks":
         checks(out_dir)
+    elif mode == "fit":
+        fit(out_dir)
     else:
         missing_peer(out_dir, exits=mode == "dead")

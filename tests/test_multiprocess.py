@@ -84,3 +84,16 @@ def test_an_mpi_rank_that_exits_ends_the_job_naming_it(tmp_path: Path) -> None:
     code = launch("mpi", 2, tmp_path, "dead", {"TF_ADASUM_TIMEOUT_SECONDS": "60"})
     log = (tmp_path / "output.log").read_text()
     assert code != 0 and "process rank 1" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("engine", ["mpi", "tf"])
+def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: Path) -> None:
+    from tests.test_training import simulate
+
+    code = launch(engine, 2, tmp_path, "fit")
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    weights = [list(np.load(tmp_path / f"fit{r}.npz").values()) for r in range(2)]
+    want = simulate("sgd_momentum", 2, 1, 4, 8)
+    for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
+        np.testing.assert_array_equal(got, theirs)  # bitwise the same on both processes
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)

@@ -69,6 +69,15 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
 
     def build(self, var_list: list[Any]) -> None:
+        current = tf.distribute.get_strategy()
+        for optimizer in (self, self.inner):
+            if optimizer._distribution_strategy is not current:
+                raise ValueError(
+                    f"optimizer {optimizer.name!r} was created under "
+                    f"{type(optimizer._distribution_strategy).__name__} but is being built under "
+                    f"{type(current).__name__}: create the model and its optimizer "
+                    "inside the same strategy.scope()"
+                )
         self.inner.build(var_list)
         # The weights as of the last sync; deltas are measured from here.
         self._anchors = [
@@ -76,10 +85,6 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             for v in var_list
         ]
         super().build(var_list)
-
-    @property
-    def variables(self) -> list[Any]:
-        return self._variables + self.inner.variables
 
     @property
     def learning_rate(self) -> Any:

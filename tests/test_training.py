@@ -1,0 +1,275 @@
+"""model.fit under AdasumStrategy and with AdasumOptimizer, on logical CPUs, against a numpy simulation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adasum
+from tests import oracle
+
+LR, MOMENTUM = 0.1, 0.9
+BETA_1, BETA_2, EPSILON = 0.9, 0.999, 1e-7
+
+
+def cpus(p: int) -> list[str]:
+    return [d.name for d in tf.config.list_logical_devices("CPU")[:p]]
+
+
+def problem(seed: int = 0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((64, 3)).astype(np.float32)
+    y = rng.standard_normal((64, 2)).astype(np.float32)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    return x, y, w, np.zeros(2, np.float32)
+
+
+def make_inner(name: str) -> keras.optimizers.Optimizer:
+    if name == "sgd_momentum":
+        return keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    return keras.optimizers.Adam(LR, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+
+
+class Replica:
+    """One replica's Keras-exact optimizer step, in float64, with its own state."""
+
+    def __init__(self, kind: str, params: list[np.ndarray]) -> None:
+        self.kind = kind
+        self.m = [np.zeros_like(p) for p in params]
+        self.v = [np.zeros_like(p) for p in params]
+
+    def step(self, params: list[np.ndarray], grads: list[np.ndarray], t: int) -> list[np.ndarray]:
+        out = []
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            if self.kind == "sgd_momentum":
+                self.m[i] = MOMENTUM * self.m[i] - LR * g
+                out.append(p + self.m[i])
+            else:
+                alpha = LR * np.sqrt(1 - BETA_2**t) / (1 - BETA_1**t)
+                self.m[i] = self.m[i] + (g - self.m[i]) * (1 - BETA_1)
+                self.v[i] = self.v[i] + (g * g - self.v[i]) * (1 - BETA_2)
+                out.append(p - self.m[i] * alpha / (np.sqrt(self.v[i]) + EPSILON))
+        return out
+
+
+def simulate(kind: str, p: int, sync_every: int, steps: int, global_batch: int) -> list[np.ndarray]:
+    """Each replica: its shard, its own optimizer state; every sync: the contract tree over the deltas."""
+    x, y, w, b = problem()
+    anchor = [w.astype(np.float64), b.astype(np.float64)]
+    params = [list(anchor) for _ in range(p)]
+    replicas = [Replica(kind, anchor) for _ in range(p)]
+    local = global_batch // p
+    for step in range(steps):
+        for r in range(p):
+            start = step * global_batch + r * local
+            xr, yr = x[start : start + local].astype(np.float64), y[start : start + local].astype(np.float64)
+            err = xr @ params[r][0] + params[r][1] - yr
+            grads = [2 * xr.T @ err / err.size, 2 * err.sum(0) / err.size]  # mean squared error
+            params[r] = replicas[r].step(params[r], grads, step + 1)
+        if (step + 1) % sync_every == 0:
+            deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
+            anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
+            params = [list(anchor) for _ in range(p)]
+    return anchor
+
+
+def build_linear(strategy: tf.distribute.Strategy, make_optimizer: Any) -> keras.Model:
+    _, _, w, b = problem()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.set_weights([w, b])
+        model.compile(optimizer=make_optimizer(), loss="mse")
+    return model
+
+
+def replica_values(strategy: tf.distribute.Strategy, model: keras.Model) -> list[list[np.ndarray]]:
+    return [[c.numpy() for c in strategy.experimental_local_results(v.value)] for v in model.weights]
+
+
+@pytest.mark.parametrize("sync_every", [1, 2])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
+def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int) -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(p), sync_every=sync_every)
+    model = build_linear(strategy, lambda: make_inner(kind))  # a plain optimizer: the strategy wraps it
+    assert isinstance(model.optimizer, tf_adasum.AdasumOptimizer)
+    global_batch, steps = 4 * p, 4
+    model.fit(
+        x[: global_batch * steps],
+        y[: global_batch * steps],
+        batch_size=global_batch,
+        shuffle=False,
+        verbose=0,
+    )
+    want = simulate(kind, p, sync_every, steps, global_batch)
+    # Adam divides by sqrt(v): float32 rounding of near-zero gradients moves its steps more than SGD's.
+    atol = 2e-5 if kind == "adam" else 2e-6
+    for got, w in zip(model.get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=atol)
+    for components in replica_values(strategy, model):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])  # every replica bitwise the same
+    assert int(model.optimizer.iterations.numpy()) == steps
+
+
+def test_adasum_differs_from_mirrored_averaging() -> None:
+    # The same run under MirroredStrategy (gradient mean) ends elsewhere: the test above can fail.
+    x, y, _, _ = problem()
+    mirrored = tf.distribute.MirroredStrategy(cpus(2), cross_device_ops=tf.distribute.ReductionToOneDevice())
+    model = build_linear(mirrored, lambda: make_inner("sgd_momentum"))
+    model.fit(x[:32], y[:32], batch_size=8, shuffle=False, verbose=0)
+    want = simulate("sgd_momentum", 2, 1, 4, 8)
+    assert not np.allclose(model.get_weights()[0], want[0], rtol=1e-3)
+
+
+def test_wrapper_without_a_strategy_is_the_inner_optimizer() -> None:
+    x, y, _, _ = problem()
+    plain = build_linear(tf.distribute.get_strategy(), lambda: make_inner("adam"))
+    wrapped = build_linear(
+        tf.distribute.get_strategy(), lambda: tf_adasum.AdasumOptimizer(make_inner("adam"))
+    )
+    for model in (plain, wrapped):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), wrapped.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def digits_data() -> tuple[np.ndarray, ...]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[..., None]
+    y = digits.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(y))
+    x, y = x[order], y[order]
+    return x[:1500], y[:1500], x[1500:], y[1500:]
+
+
+def test_cnn_on_digits_trains_with_four_replicas() -> None:
+    x, y, x_val, y_val = digits_data()
+    keras.utils.set_random_seed(1)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(4))
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(3e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    history = model.fit(x, y, batch_size=64, epochs=8, validation_data=(x_val, y_val), verbose=0)
+    assert history.history["val_accuracy"][-1] > 0.9, history.history
+
+
+def test_save_restore_and_resume(tmp_path: Path) -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, lambda: make_inner("adam"))
+    model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0)
+
+    model.save(tmp_path / "model.keras")
+    with strategy.scope():
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded.optimizer, tf_adasum.AdasumOptimizer)
+    assert isinstance(loaded.optimizer.inner, keras.optimizers.Adam)
+    assert int(loaded.optimizer.iterations.numpy()) == 2
+    for a, b in zip(loaded.optimizer.inner.variables, model.optimizer.inner.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # Adam's moments came back too
+    for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = checkpoint.save(tmp_path / "ckpt")
+    saved = model.get_weights()
+    model.fit(x[16:32], y[16:32], batch_size=8, shuffle=False, verbose=0)
+    checkpoint.restore(path)
+    for a, b in zip(model.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for components in replica_values(strategy, model):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+    model.save_weights(tmp_path / "w.weights.h5")
+    other = build_linear(strategy, lambda: make_inner("adam"))
+    other.load_weights(tmp_path / "w.weights.h5")
+    for a, b in zip(other.get_weights(), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Records the weights after `batches` batches, then interrupts training."""
+
+    def __init__(self, batches: int) -> None:
+        super().__init__()
+        self.batches = batches
+        self.weights: list[np.ndarray] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if batch + 1 == self.batches:
+            self.weights = self.model.get_weights()
+            raise RuntimeError("interrupted")
+
+
+class RecordStart(keras.callbacks.Callback):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.weights = self.model.get_weights()
+        self.iterations = int(self.model.optimizer.iterations.numpy())
+
+
+def test_backup_and_restore_resumes_from_the_interrupted_state(tmp_path: Path) -> None:
+    # Keras 3 restores the state saved mid-epoch, then reruns that epoch from its first batch.
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    stop = StopAfter(4)
+    model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup, stop])
+
+    resumed = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    start = RecordStart()
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup, start])
+    for a, b in zip(start.weights, stop.weights, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert start.iterations == 4
+    for components in replica_values(strategy, resumed):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])
+
+
+def test_bad_use_gives_clear_errors() -> None:
+    with pytest.raises(TypeError, match=r"AdasumOptimizer wraps a Keras optimizer.*got builtins\.str"):
+        tf_adasum.AdasumOptimizer("adam")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sync_every must be a positive integer, got 0"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), sync_every=0)
+    with pytest.raises(ValueError, match="already an AdasumOptimizer"):
+        tf_adasum.AdasumOptimizer(tf_adasum.AdasumOptimizer(keras.optimizers.SGD()))
+
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    optimizer_outside = keras.optimizers.SGD()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=optimizer_outside, loss="mse")
+    with pytest.raises(ValueError, match=r"inside the same strategy\.scope"):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+    outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with strategy.scope():
+        outside.compile(optimizer="sgd", loss="mse")
+    with pytest.raises((ValueError, RuntimeError), match=r"scope|Strategy"):
+        outside.fit(x, y, batch_size=8, verbose=0)
