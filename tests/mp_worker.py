@@ -5,6 +5,7 @@ Usage:
     worker.py OUT_DIR dead      # rank 1 exits after init; the others try an allreduce
     worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
     worker.py OUT_DIR fit       # model.fit with AdasumOptimizer, no strategy, one replica per process
+    worker.py OUT_DIR strategy  # model.fit under AdasumStrategy, every process given the same data
 
 Each rank's data comes from rank_tensors(rank), which the test also uses to build the oracle.
 """
@@ -50,6 +51,7 @@ def checks(out: Path) -> None:
         results[f"adasum_function_{i}"] = t.numpy()
     results["sum"] = tf_adasum.allreduce(tf.constant([rank, 1], tf.int32), op=tf_adasum.Sum).numpy()
     results["average"] = tf_adasum.allreduce(tf.constant([float(rank)]), op=tf_adasum.Average).numpy()
+    results["scalar_sum"] = tf_adasum.allreduce(tf.constant(2.5), op=tf_adasum.Sum).numpy()
     results["broadcast"] = tf_adasum.broadcast(tf.constant([10.0 * rank, 1.0]), root=comm.size - 1).numpy()
     np.savez(out / f"rank{rank}.npz", **results)
 
@@ -104,11 +106,28 @@ def fit(out: Path) -> None:
     np.savez(out / f"fit{comm.rank}.npz", *model.get_weights())
 
 
+def strategy_fit(out: Path) -> None:
+    from tests.test_training import build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(sync_every=2)
+    model = build_linear(strategy, lambda: make_inner("adam"))
+    # The same global batches everywhere: the strategy hands each process its share.
+    history = model.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    evaluated = model.evaluate(x[:32], y[:32], batch_size=8, verbose=0)
+    np.savez(out / f"strategy{comm.rank}.npz", *model.get_weights())
+    info = {"loss": float(history.history["loss"][-1]), "evaluate": float(evaluated)}
+    (out / f"strategy{comm.rank}.json").write_text(json.dumps(info))
+
+
 if __name__ == "__main__":
     mode, out_dir = sys.argv[2], Path(sys.argv[1])
     if mode == "checks":
         checks(out_dir)
     elif mode == "fit":
         fit(out_dir)
+    elif mode == "strategy":
+        strategy_fit(out_dir)
     else:
         missing_peer(out_dir, exits=mode == "dead")

@@ -60,6 +60,7 @@ def test_allreduce_across_processes(engine: str, p: int, tmp_path: Path) -> None
     for r in range(p):
         np.testing.assert_array_equal(results[r]["sum"], [sum(range(p)), p])
         np.testing.assert_allclose(results[r]["average"], [(p - 1) / 2])
+        assert results[r]["scalar_sum"].shape == () and results[r]["scalar_sum"] == 2.5 * p
         np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
         assert infos[r]["engine"] == engine and infos[r]["size"] == p
         assert (
@@ -97,3 +98,18 @@ def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: P
     for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
         np.testing.assert_array_equal(got, theirs)  # bitwise the same on both processes
         np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("engine", ["mpi", "tf"])
+def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
+    from tests.test_training import simulate
+
+    code = launch(engine, 2, tmp_path, "strategy")
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(2)]
+    infos = [json.loads((tmp_path / f"strategy{r}.json").read_text()) for r in range(2)]
+    want = simulate("adam", 2, 2, 4, 8)  # two processes behave as two replicas of one strategy
+    for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
+        np.testing.assert_array_equal(got, theirs)
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+    assert infos[0] == infos[1], infos  # logs averaged over processes: the same on both

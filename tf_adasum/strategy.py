@@ -3,6 +3,13 @@
 Use it where MirroredStrategy goes. A plain Keras optimizer compiled under its scope becomes an
 AdasumOptimizer, so each replica steps on its own and the deltas are combined with Adasum; metrics,
 losses and BatchNorm statistics keep MirroredStrategy's sums and means.
+
+Across processes (mpirun, horovodrun --mpi, or TF_CONFIG), each process holds one replica, as with
+Horovod: one process per GPU or per host CPU. The model updates cross processes inside the optimizer
+(tf_adasum.allreduce); each process reads its contiguous share of every global batch, as replicas do
+within MirroredStrategy; the logs of Keras's train and test steps are averaged over processes. No
+part of this goes through MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks
+(keras-team/keras#20585).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 from keras.src import optimizers as keras_optimizers
 
+from tf_adasum import distributed
 from tf_adasum.optimizer import AdasumOptimizer
 
 _keras_get_optimizer = keras_optimizers.get
@@ -53,7 +61,94 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
             # NCCL needs GPUs; on CPUs reduce through one device, as MirroredStrategy's users expect.
             cross_device_ops = tf.distribute.ReductionToOneDevice()
+        self.comm = distributed.init()
+        if self.comm.size > 1:
+            devices = devices or [_local_device(self.comm)]
+            if len(devices) != 1:
+                raise ValueError(
+                    f"across processes AdasumStrategy uses one device per process, got {len(devices)} "
+                    f"({devices}); start one process per GPU (mpirun -np <GPUs>, or one TF_CONFIG task each)"
+                )
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self.sync_every = sync_every
         # Keras's compile() resolves its optimizer through this function.
         keras_optimizers.get = _get_optimizer
+
+    def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
+        """Each process takes its contiguous share of every global batch, then splits it over replicas."""
+        if self.comm.size > 1:
+            rank, size = self.comm.rank, self.comm.size
+
+            def share(t: tf.Tensor) -> tf.Tensor:
+                n = tf.shape(t)[0]
+                return t[(n * rank) // size : (n * (rank + 1)) // size]
+
+            def my_part(*element: Any) -> Any:
+                parts = tf.nest.map_structure(share, element)
+                return parts[0] if len(parts) == 1 else parts
+
+            dataset = dataset.map(my_part)
+        return super().experimental_distribute_dataset(dataset, options)
+
+    def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
+        """As MultiWorkerMirroredStrategy: across all replicas of all processes.
+
+        Keras reads its metrics (sync-on-read variables) through this, so epoch logs, History and
+        callbacks such as EarlyStopping see the same global values on every process.
+        """
+        local = super().reduce(reduce_op, value, axis)
+        if self.comm.size == 1:
+            return local
+        op = tf.distribute.ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
+        wide = tf.cast(local, tf.float64) if local.dtype.is_floating else local
+        total = distributed.allreduce(
+            wide, op=distributed.Average if op == tf.distribute.ReduceOp.MEAN else distributed.Sum
+        )
+        return tf.cast(total, local.dtype)
+
+    def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
+        # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop everywhere.
+        if self.comm.size > 1 and _is_keras_train_or_test_step(fn):
+            step = fn
+
+            def step_with_global_logs(*a: Any, **k: Any) -> Any:
+                return _average_over_processes(step(*a, **k))
+
+            fn = step_with_global_logs
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+
+def _local_device(comm: Any) -> str:
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return gpus[comm.local_rank % len(gpus)].name
+    return tf.config.list_logical_devices("CPU")[0].name
+
+
+def _is_keras_train_or_test_step(fn: Any) -> bool:
+    # Keras's trainer runs the model's bound train_step / test_step; their outputs are the logs.
+    # predict_step and users' own functions pass untouched.
+    import keras
+
+    fn = getattr(fn, "python_function", fn)
+    return isinstance(getattr(fn, "__self__", None), keras.Model) and fn.__name__ in (
+        "train_step",
+        "test_step",
+    )
+
+
+def _average_over_processes(logs: Any) -> Any:
+    """The mean over processes of every floating scalar in Keras's logs; one collective for all."""
+    flat = tf.nest.flatten(logs)
+    index = [
+        i
+        for i, v in enumerate(flat)
+        if isinstance(v, tf.Tensor) and v.dtype.is_floating and v.shape.rank == 0
+    ]
+    if not index:
+        return logs
+    values = tf.stack([tf.cast(flat[i], tf.float64) for i in index])
+    mean = distributed.allreduce(values, op=distributed.Average)
+    for j, i in enumerate(index):
+        flat[i] = tf.cast(mean[j], flat[i].dtype)
+    return tf.nest.pack_sequence_as(logs, flat)

@@ -140,7 +140,7 @@ class MPICommunicator(Communicator):
 
     def broadcast(self, tensor: tf.Tensor, root: int) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
-            out = np.ascontiguousarray(x).copy()
+            out = np.array(x, order="C")  # a copy that keeps 0-d shapes (ascontiguousarray makes them 1-d)
             self._wait([self._comm.Ibcast(self._bytes(out), root=root)], "broadcast", f"rank {root}")
             return out
 
@@ -148,7 +148,7 @@ class MPICommunicator(Communicator):
 
     def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
-            x = np.ascontiguousarray(x)
+            x = np.array(x, order="C")
             out = np.empty((self.size, *x.shape), x.dtype)
             self._wait([self._comm.Iallgather(self._bytes(x), self._bytes(out))], "allgather", "all ranks")
             return out
@@ -157,7 +157,7 @@ class MPICommunicator(Communicator):
 
     def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
-            wide = np.ascontiguousarray(self._summable(x))
+            wide = np.array(self._summable(x), order="C")
             out = np.empty_like(wide)
             self._wait([self._comm.Iallreduce(wide, out, op=self._mpi.SUM)], "allreduce", "all ranks")
             return out.astype(x.dtype)
