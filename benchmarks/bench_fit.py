@@ -1,0 +1,176 @@
+"""Step time of model.fit under AdasumStrategy against MirroredStrategy, same model, same replicas.
+
+Usage:
+    python benchmarks/bench_fit.py [--replicas 2 4] [--steps 40]            # local logical CPUs
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
+
+Prints JSON lines with the median step time (ms) of each strategy, measured by a callback over the
+steps after warm-up, and their ratio adasum/baseline. Models: an MLP (784-512-512-10) and a small CNN
+(28x28x1, two conv layers). Locally the baseline is MirroredStrategy over the same logical CPUs.
+Across processes it is MultiWorkerMirroredStrategy; Keras 3's fit under it is broken upstream
+(keras-team/keras#20585), so here, and only here, its step is a custom strategy.run loop doing what
+fit does (forward, loss, gradients all-reduced, optimizer update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+
+
+def make_model(kind: str) -> Any:
+    import keras
+
+    if kind == "mlp":
+        layers = [
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+        ]
+    else:
+        layers = [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+        ]
+    return keras.Sequential([*layers, keras.layers.Dense(10)])
+
+
+def data(kind: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (n, 784) if kind == "mlp" else (n, 28, 28, 1)
+    return rng.standard_normal(shape).astype(np.float32), rng.integers(0, 10, n).astype(np.int32)
+
+
+def fit_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5) -> float:
+    import keras
+
+    x, y = data(kind, global_batch * (steps + warmup))
+    with strategy.scope():
+        model = make_model(kind)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if batch >= warmup:
+                times.append(time.perf_counter() - self.start)
+
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    return 1e3 * statistics.median(times)
+
+
+def custom_loop_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5) -> float:
+    """What fit does per step, written as a strategy.run loop (MultiWorkerMirroredStrategy's baseline)."""
+    import keras
+    import tensorflow as tf
+
+    x, y = data(kind, global_batch * (steps + warmup))
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    )
+    with strategy.scope():
+        model = make_model(kind)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def replica_step(batch: Any) -> Any:
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def step(batch: Any) -> Any:
+        return strategy.reduce("SUM", strategy.run(replica_step, args=(batch,)), axis=None)
+
+    times = []
+    for i, batch in enumerate(dataset):
+        start = time.perf_counter()
+        step(batch).numpy()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--local-batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--processes", action="store_true", help="run under tf_adasum.run or mpirun")
+    args = parser.parse_args()
+
+    import tensorflow as tf
+
+    if not args.processes:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * max(args.replicas),
+        )
+    import tf_adasum
+
+    for kind in args.models:
+        if args.processes:
+            comm = tf_adasum.init()
+            global_batch = args.local_batch * comm.size
+            adasum = fit_step_ms(tf_adasum.AdasumStrategy(), kind, global_batch, args.steps)
+            baseline_name = "MultiWorkerMirroredStrategy (custom loop)"
+            baseline = (
+                custom_loop_step_ms(comm.strategy, kind, global_batch, args.steps)
+                if comm.engine == "tf"
+                else None
+            )
+            row = {
+                "model": kind,
+                "processes": comm.size,
+                "engine": comm.engine,
+                "adasum_ms": round(adasum, 2),
+            }
+            if baseline is not None:
+                row |= {
+                    "baseline": baseline_name,
+                    "baseline_ms": round(baseline, 2),
+                    "ratio": round(adasum / baseline, 2),
+                }
+            if comm.rank == 0:
+                print(json.dumps(row), flush=True)
+            continue
+        for replicas in args.replicas:
+            devices = [d.name for d in tf.config.list_logical_devices("CPU")[:replicas]]
+            global_batch = args.local_batch * replicas
+            mirrored = tf.distribute.MirroredStrategy(
+                devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+            )
+            baseline = fit_step_ms(mirrored, kind, global_batch, args.steps)
+            adasum = fit_step_ms(tf_adasum.AdasumStrategy(devices), kind, global_batch, args.steps)
+            row = {"model": kind, "replicas": replicas, "mirrored_ms": round(baseline, 2)}
+            row |= {"adasum_ms": round(adasum, 2), "ratio": round(adasum / baseline, 2)}
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
