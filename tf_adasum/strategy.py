@@ -58,10 +58,11 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
     ) -> None:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
+        self.comm = distributed.init()
         if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
             # NCCL needs GPUs; on CPUs reduce through one device, as MirroredStrategy's users expect.
             cross_device_ops = tf.distribute.ReductionToOneDevice()
-        self.comm = distributed.init()
         if self.comm.size > 1:
             devices = devices or [_local_device(self.comm)]
             if len(devices) != 1:

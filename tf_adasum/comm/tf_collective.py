@@ -46,7 +46,16 @@ class TFCollectiveCommunicator(Communicator):
         super().__init__(task_id, len(workers), same_host.index(task_id), len(same_host))
         # The strategy starts this worker's gRPC server and turns on the collective runtime.
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds())
-        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        try:
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        except RuntimeError as error:
+            if "at program startup" not in str(error):
+                raise
+            raise RuntimeError(
+                "the TF engine must start before TensorFlow runs its first op: call tf_adasum.init() (or "
+                "create the AdasumStrategy) at the top of the script, before listing devices or building "
+                "tensors"
+            ) from error
         self.device = f"/job:{task_type}/replica:0/task:{task_id}/device:CPU:0"
         self._instances: dict[int, int] = defaultdict(int)
         with tf.init_scope(), tf.device(self.device):
