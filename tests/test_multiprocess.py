@@ -113,3 +113,7 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
         np.testing.assert_array_equal(got, theirs)
         np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
     assert infos[0] == infos[1], infos  # logs averaged over processes: the same on both
+    bn = [list(np.load(tmp_path / f"batchnorm{r}.npz").values()) for r in range(2)]
+    assert len(bn[0]) == 6  # gamma, beta, moving mean, moving variance, kernel, bias
+    for mine, theirs in zip(*bn, strict=True):
+        np.testing.assert_array_equal(mine, theirs)

@@ -78,6 +78,15 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
                     f"{type(current).__name__}: create the model and its optimizer "
                     "inside the same strategy.scope()"
                 )
+        comm = distributed.init()
+        if comm.size > 1 and var_list:
+            # Every process starts from rank 0's weights, as MultiWorkerMirroredStrategy and Horovod's
+            # broadcast callback arrange; otherwise each would keep its own random initialisation.
+            start = distributed.broadcast(
+                [v.value if isinstance(v, keras.Variable) else v for v in var_list], root=0
+            )
+            for variable, value in zip(var_list, start, strict=True):
+                variable.assign(value)
         self.inner.build(var_list)
         # The weights as of the last sync; deltas are measured from here.
         self._anchors = [

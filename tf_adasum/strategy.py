@@ -109,11 +109,18 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
         # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop everywhere.
+        # After a train step, the model's non-trained state (BatchNorm moving statistics) is averaged
+        # over processes, as MirroredStrategy averages it over replicas.
         if self.comm.size > 1 and _is_keras_train_or_test_step(fn):
             step = fn
+            model = getattr(fn, "python_function", fn).__self__
+            trains = getattr(fn, "python_function", fn).__name__ == "train_step"
 
             def step_with_global_logs(*a: Any, **k: Any) -> Any:
-                return _average_over_processes(step(*a, **k))
+                logs = step(*a, **k)
+                if trains:
+                    _average_state_over_processes(model.non_trainable_variables)
+                return _average_over_processes(logs)
 
             fn = step_with_global_logs
         return super().run(fn, args=args, kwargs=kwargs, options=options)
@@ -136,6 +143,15 @@ def _is_keras_train_or_test_step(fn: Any) -> bool:
         "train_step",
         "test_step",
     )
+
+
+def _average_state_over_processes(variables: list[Any]) -> None:
+    state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
+    if not state:
+        return
+    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
+    for variable, mean in zip(state, means, strict=True):
+        variable.assign(mean)
 
 
 def _average_over_processes(logs: Any) -> Any:
