@@ -273,3 +273,37 @@ def test_bad_use_gives_clear_errors() -> None:
         outside.compile(optimizer="sgd", loss="mse")
     with pytest.raises((ValueError, RuntimeError), match=r"scope|Strategy"):
         outside.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_schedule_weight_decay_and_clipping_apply_in_the_local_step() -> None:
+    # Both replicas get the same batch, so their deltas are equal and adasum(d, d) = d exactly: two
+    # replicas must then equal one process running the same AdamW with its schedule, decay and clipping.
+    x, y, _, _ = problem()
+    local = 4
+    duplicated = np.concatenate([np.concatenate([x[i : i + local]] * 2) for i in range(0, 32, local)])
+    duplicated_y = np.concatenate([np.concatenate([y[i : i + local]] * 2) for i in range(0, 32, local)])
+
+    def adamw() -> keras.optimizers.Optimizer:
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.5)
+        return keras.optimizers.AdamW(schedule, weight_decay=0.1, clipnorm=0.5)
+
+    single = build_linear(tf.distribute.get_strategy(), adamw)
+    single.fit(x[:32], y[:32], batch_size=local, shuffle=False, verbose=0)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, adamw)
+    model.fit(duplicated, duplicated_y, batch_size=2 * local, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), single.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 * 0.5**4)
+
+
+def test_evaluate_and_predict_under_the_strategy() -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    predictions = model.predict(x, batch_size=8, verbose=0)
+    w, b = model.get_weights()
+    np.testing.assert_allclose(predictions, x @ w + b, rtol=1e-5, atol=1e-6)
+    loss = model.evaluate(x, y, batch_size=8, verbose=0)
+    assert loss == pytest.approx(float(np.mean((x @ w + b - y) ** 2)), rel=1e-5)
