@@ -2,6 +2,7 @@
 // ParallelFor backed by TensorFlow's CPU thread pool.
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "adasum_core.h"
@@ -226,26 +227,18 @@ void CombineSpanFloat32(const T* a, const T* b, float ca, float cb, T* out, int6
 }
 
 template <typename T>
+constexpr bool kIsHalfType = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
+// float32 and float64 are combined in float64; the half types in float32 while the coefficients allow.
+template <typename T>
 void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
+  if constexpr (kIsHalfType<T>) {
+    if (CombineInFloat32(ca, cb)) {
+      CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
+      return;
+    }
+  }
   CombineSpanFloat64(a, b, ca, cb, out, n);
-}
-
-template <>
-void CombineSpan<Half>(const Half* a, const Half* b, double ca, double cb, Half* out, int64_t n) {
-  if (CombineInFloat32(ca, cb)) {
-    CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
-  } else {
-    CombineSpanFloat64(a, b, ca, cb, out, n);
-  }
-}
-
-template <>
-void CombineSpan<BFloat16>(const BFloat16* a, const BFloat16* b, double ca, double cb, BFloat16* out, int64_t n) {
-  if (CombineInFloat32(ca, cb)) {
-    CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
-  } else {
-    CombineSpanFloat64(a, b, ca, cb, out, n);
-  }
 }
 
 // TensorFlow runs kernels with flush-to-zero and denormals-are-zero set. Adasum must keep values near
