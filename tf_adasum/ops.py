@@ -60,9 +60,6 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
 
 
-TensorList = Sequence[Any]
-
-
 def _as_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
     """Returns (tensors as a list, whether a single tensor was given)."""
     single = not isinstance(tensors, (list, tuple))
