@@ -146,9 +146,8 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum) -> Any:
         >>> grads = tf_adasum.allreduce(grads, op=tf_adasum.Adasum)
     """
     comm = init()
-    single = not isinstance(tensors, (list, tuple))
-    items = [tf.convert_to_tensor(t) for t in ([tensors] if single else tensors)]
     op = ReduceOp(op)
+    items, single = ops.as_tensor_list(f"allreduce(op={op.name.title()})", tensors)
     if op is Adasum:
         ops.check_float_tensors("allreduce(op=Adasum)", items, one_dtype=False)
     check_same_on_all_ranks(comm, items, f"allreduce(op={op.name.title()})")
@@ -165,8 +164,7 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum) -> Any:
 def broadcast(tensors: Any, root: int = 0) -> Any:
     """Root's tensors on every rank, in the structure of `tensors`."""
     comm = init()
-    single = not isinstance(tensors, (list, tuple))
-    items = [tf.convert_to_tensor(t) for t in ([tensors] if single else tensors)]
+    items, single = ops.as_tensor_list("broadcast", tensors)
     check_same_on_all_ranks(comm, items, "broadcast")
     out = [comm.broadcast(t, root) for t in items]
     return out[0] if single else out

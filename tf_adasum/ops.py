@@ -60,8 +60,8 @@ def _load(path: Path) -> ModuleType:
         raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
 
 
-def _as_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
-    """Returns (tensors as a list, whether a single tensor was given)."""
+def as_tensor_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
+    """Returns (tensors as a list, whether a single tensor was given); refuses None, naming it."""
     single = not isinstance(tensors, (list, tuple))
     items = [tensors] if single else list(tensors)
     for i, t in enumerate(items):
@@ -94,8 +94,8 @@ def check_float_tensors(op: str, tensors: Sequence[tf.Tensor], one_dtype: bool =
 
 
 def _pairs(op: str, a_list: Any, b_list: Any) -> tuple[list[tf.Tensor], list[tf.Tensor], bool]:
-    a, single_a = _as_list(op, a_list)
-    b, single_b = _as_list(op, b_list)
+    a, single_a = as_tensor_list(op, a_list)
+    b, single_b = as_tensor_list(op, b_list)
     if len(a) != len(b) or single_a != single_b:
         raise ValueError(f"{op}: a has {len(a)} tensors but b has {len(b)}; they must pair up")
     check_float_tensors(op, a + b)

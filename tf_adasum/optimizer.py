@@ -26,10 +26,14 @@ from tf_adasum import distributed
 from tf_adasum.tree import adasum_tree
 
 
+def _tf_variable(variable: Any) -> Any:
+    """The TensorFlow (possibly distributed) variable behind a Keras variable."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 def _local_values(distribution: tf.distribute.Strategy, variable: Any) -> list[Any]:
     """The per-replica components of a variable on this process (one for a plain variable)."""
-    value = variable.value if isinstance(variable, keras.Variable) else variable
-    return list(distribution.experimental_local_results(value))
+    return list(distribution.experimental_local_results(_tf_variable(variable)))
 
 
 @keras.saving.register_keras_serializable(package="tf_adasum")
@@ -82,9 +86,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         if comm.size > 1 and var_list:
             # Every process starts from rank 0's weights, as MultiWorkerMirroredStrategy and Horovod's
             # broadcast callback arrange; otherwise each would keep its own random initialisation.
-            start = distributed.broadcast(
-                [v.value if isinstance(v, keras.Variable) else v for v in var_list], root=0
-            )
+            start = distributed.broadcast([_tf_variable(v) for v in var_list], root=0)
             for variable, value in zip(var_list, start, strict=True):
                 variable.assign(value)
         self.inner.build(var_list)
@@ -181,7 +183,6 @@ def _value_of(variable: Any) -> Any:
     """An initializer that copies the variable's current value."""
 
     def initializer(shape: Any, dtype: Any) -> Any:
-        value = variable.value if isinstance(variable, keras.Variable) else variable
-        return tf.cast(tf.identity(value), dtype)
+        return tf.cast(tf.identity(_tf_variable(variable)), dtype)
 
     return initializer

@@ -67,21 +67,25 @@ class MPICommunicator(Communicator):
                 self._groups[key] = self._comm.Create_group(world.Incl(list(key)))
         world.Free()
 
-    def _wait(self, requests: list[Any], what: str, peers: str) -> None:
+    def _poll(self, done: Callable[[], bool], what: str, missing: Callable[[], str]) -> None:
+        """Calls done() until it is true; after TF_ADASUM_TIMEOUT_SECONDS, raises naming missing()."""
         start = time.monotonic()
         deadline = start + timeout_seconds()
-        while not self._mpi.Request.Testall(requests):
+        while not done():
             now = time.monotonic()
             if now - start < _SPIN_SECONDS:
                 os.sched_yield()
+            elif now > deadline:
+                raise PeerError(
+                    f"rank {self.rank}: {what} got no answer from {missing()} within "
+                    f"{timeout_seconds():.0f} s (TF_ADASUM_TIMEOUT_SECONDS): it died, hangs, or never "
+                    "called this collective"
+                )
             else:
-                if now > deadline:
-                    raise PeerError(
-                        f"rank {self.rank}: {what} got no answer from {peers} "
-                        f"within {timeout_seconds():.0f} s "
-                        "(TF_ADASUM_TIMEOUT_SECONDS): that rank died, hangs, or never called this collective"
-                    )
                 time.sleep(_POLL_SLEEP_SECONDS)
+
+    def _wait(self, requests: list[Any], what: str, peers: str) -> None:
+        self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers)
 
     def _host(
         self, fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType, shape: Any
@@ -167,26 +171,16 @@ class MPICommunicator(Communicator):
     def _wait_objects(self, requests: dict[int, Any], what: str) -> dict[int, Any]:
         """Polls pickled-object receives until all arrive; a timeout names the ranks still missing."""
         received: dict[int, Any] = {}
-        start = time.monotonic()
-        deadline = start + timeout_seconds()
-        while len(received) < len(requests):
+
+        def all_arrived() -> bool:
             for source, request in requests.items():
                 if source not in received:
-                    done, value = request.test()
-                    if done:
+                    arrived, value = request.test()
+                    if arrived:
                         received[source] = value
-            now = time.monotonic()
-            if len(received) == len(requests) or now - start < _SPIN_SECONDS:
-                os.sched_yield()
-            else:
-                if now > deadline:
-                    missing = sorted(set(requests) - set(received))
-                    raise PeerError(
-                        f"rank {self.rank}: {what} got no answer from rank(s) {missing} within "
-                        f"{timeout_seconds():.0f} s (TF_ADASUM_TIMEOUT_SECONDS): they died, hang, or never "
-                        "called this collective"
-                    )
-                time.sleep(_POLL_SLEEP_SECONDS)
+            return len(received) == len(requests)
+
+        self._poll(all_arrived, what, lambda: f"rank(s) {sorted(set(requests) - set(received))}")
         return received
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
