@@ -67,20 +67,29 @@ def checks(out: Path) -> None:
 
 
 def missing_peer(out: Path, exits: bool) -> None:
-    comm = tf_adasum.init()
-    if comm.rank == 1:
-        if exits:
-            os._exit(0)  # leaves without a word, as a crashed worker would
-        time.sleep(600)  # alive, but never arrives: the others must not wait for it forever
-    time.sleep(1.0)
+    rank = int(
+        os.environ.get(
+            "OMPI_COMM_WORLD_RANK",
+            json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0),
+        )
+    )
     start = time.monotonic()
     try:
+        tf_adasum.init()
+        if rank == 1:
+            # Let rank 0 finish its half of the start-up exchange first, then leave or go silent.
+            time.sleep(3.0)
+            if exits:
+                os._exit(0)  # leaves without a word, as a crashed worker would
+            time.sleep(600)  # alive, but never arrives: the others must not wait for it forever
+        time.sleep(5.0)
+        start = time.monotonic()
         tf_adasum.allreduce([tf.ones([1000])])
         message = "no error"
-    except tf_adasum.PeerError as error:
+    except tf_adasum.PeerError as error:  # wherever it shows, start-up included, it must name rank 1
         message = str(error)
     info = {"message": message, "seconds": time.monotonic() - start}
-    (out / f"rank{comm.rank}.json").write_text(json.dumps(info))
+    (out / f"rank{rank}.json").write_text(json.dumps(info))
     sys.stdout.flush()
     os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that left
 

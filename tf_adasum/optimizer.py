@@ -159,9 +159,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
             synced = anchor_value + d
             for target in (variable, anchor):
-                value = target.value if isinstance(target, keras.Variable) else target
                 distribution.extended.update(
-                    value, lambda var, new: var.assign(new), args=(synced,), group=False
+                    _tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
                 )
         return tf.constant(True)
 
