@@ -1,7 +1,8 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3."""
 
-from tf_adasum import ops
-from tf_adasum.comm.base import PeerError
+from tf_adasum import _compat, callbacks, ops
+from tf_adasum.callbacks import AdasumCallback
+from tf_adasum.comm.base import NonFiniteUpdateError, PeerError, UnevenDataError
 from tf_adasum.distributed import (
     Adasum,
     Average,
@@ -9,32 +10,53 @@ from tf_adasum.distributed import (
     Sum,
     allreduce,
     broadcast,
+    cross_rank,
+    cross_size,
     init,
+    is_initialized,
+    launched_for_the_tf_engine,
     local_rank,
     local_size,
     rank,
+    shutdown,
     size,
 )
-from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
 from tf_adasum.strategy import AdasumStrategy
 from tf_adasum.tree import adasum_tree
 
 __all__ = [
     "Adasum",
+    "AdasumCallback",
     "AdasumOptimizer",
     "AdasumStrategy",
+    "AllreduceOptimizer",
     "Average",
+    "NonFiniteUpdateError",
     "PeerError",
     "ReduceOp",
     "Sum",
+    "UnevenDataError",
     "adasum_tree",
     "allreduce",
     "broadcast",
+    "callbacks",
+    "cross_rank",
+    "cross_size",
     "init",
+    "is_initialized",
     "local_rank",
     "local_size",
     "ops",
     "rank",
+    "shutdown",
     "size",
 ]
 __version__ = "0.1.0"
+
+_compat.install_error_translation()
+# TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
+# imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
+# `python -m tf_adasum.run` started for the TF engine starts it here.
+if launched_for_the_tf_engine():
+    init()

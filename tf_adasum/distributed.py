@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
+import functools
 import os
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tf_adasum import ops
-from tf_adasum.comm.base import Communicator, SingleProcessCommunicator
+from tf_adasum.comm.base import ERRORS, Communicator, PeerError, SingleProcessCommunicator, timeout_seconds
 from tf_adasum.vhdd import tree_blocks, vhdd_allreduce
 
 ENGINES = ("mpi", "tf", "single")
@@ -24,9 +27,12 @@ class ReduceOp(enum.Enum):
 Adasum, Sum, Average = ReduceOp.ADASUM, ReduceOp.SUM, ReduceOp.AVERAGE
 
 _comm: Communicator | None = None
+# Engines stay started after shutdown(): neither MPI nor TensorFlow's collective runtime can be
+# configured twice in one process, so init() after shutdown() picks the same one up again.
+_started: dict[str, Communicator] = {}
 
 
-def detect_engine(environ: dict[str, str] | None = None) -> str:
+def detect_engine(environ: Mapping[str, str] | None = None) -> str:
     """The engine the environment was launched for.
 
     $TF_ADASUM_ENGINE wins; then Open MPI's variables (mpirun, and horovodrun in MPI mode, which runs
@@ -40,14 +46,21 @@ def detect_engine(environ: dict[str, str] | None = None) -> str:
         return forced
     if "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env:
         return "mpi"
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
-        raise RuntimeError(
-            "this process was started by horovodrun in Gloo mode, which tf_adasum does not use; "
-            "run `horovodrun --mpi ...` (or mpirun) instead"
-        )
-    if "TF_CONFIG" in env:
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env or "TF_CONFIG" in env:
         return "tf"
     return "single"
+
+
+def launched_for_the_tf_engine(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether horovodrun (Gloo mode) or `python -m tf_adasum.run` started this process for the TF engine.
+
+    TensorFlow's collective runtime must be configured before TensorFlow runs its first op, so such a
+    process starts the engine when tf_adasum is imported (see tf_adasum/__init__.py). A process with a
+    TF_CONFIG of its own calls tf_adasum.init() itself, at the top of its script.
+    """
+    env = os.environ if environ is None else environ
+    launcher = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env or env.get("TF_ADASUM_LAUNCHER") == "1"
+    return launcher and detect_engine(env) == "tf"
 
 
 def init(engine: str | None = None) -> Communicator:
@@ -68,6 +81,9 @@ def init(engine: str | None = None) -> Communicator:
         if engine is not None and engine != _comm.engine:
             raise ValueError(f"tf_adasum is already initialised with engine {_comm.engine!r}, not {engine!r}")
         return _comm
+    if wanted in _started:
+        _comm = _started[wanted]
+        return _comm
     if wanted == "mpi":
         from tf_adasum.comm.mpi import MPICommunicator
 
@@ -75,12 +91,32 @@ def init(engine: str | None = None) -> Communicator:
         mpi.prepare_groups(tree_blocks(mpi.size))
         _comm = mpi
     elif wanted == "tf":
-        from tf_adasum.comm.tf_collective import TFCollectiveCommunicator
+        from tf_adasum.comm import tf_collective
 
-        _comm = TFCollectiveCommunicator()
+        if "TF_CONFIG" in os.environ:
+            workers, task = tf_collective.cluster_from_tf_config()
+        elif "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ:
+            workers, task = tf_collective.cluster_from_horovodrun()
+        else:
+            raise ValueError(
+                "the TF engine needs a cluster: set TF_CONFIG, or launch with horovodrun (Gloo mode) or "
+                "`python -m tf_adasum.run`"
+            )
+        _comm = tf_collective.TFCollectiveCommunicator(workers, task)
     else:
         _comm = SingleProcessCommunicator()
+    _started[_comm.engine] = _comm
     return _comm
+
+
+def shutdown() -> None:
+    """Marks tf_adasum as not initialised, as horovod's shutdown(); init() starts using it again."""
+    global _comm
+    _comm = None
+
+
+def is_initialized() -> bool:
+    return _comm is not None
 
 
 def rank() -> int:
@@ -97,6 +133,14 @@ def local_rank() -> int:
 
 def local_size() -> int:
     return init().local_size
+
+
+def cross_rank() -> int:
+    return init().cross_rank
+
+
+def cross_size() -> int:
+    return init().cross_size
 
 
 def _describe(tensors: list[tf.Tensor]) -> list[tuple[list[int | None], str]]:
@@ -125,13 +169,14 @@ def check_same_on_all_ranks(comm: Communicator, tensors: list[tf.Tensor], what: 
 
 # Library code runs as plain Python inside a tf.function: its branches depend only on static facts.
 @tf.autograph.experimental.do_not_convert
-def allreduce(tensors: Any, op: ReduceOp = Adasum) -> Any:
+def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None = None) -> Any:
     """Reduces tensors over all processes; every rank gets bitwise identical results.
 
     Args:
         tensors: a tensor or a list of tensors, the same count, shapes and dtypes on every rank.
         op: tf_adasum.Adasum (per tensor, by the contract tree; floating dtypes only), tf_adasum.Sum
             or tf_adasum.Average (any numeric dtype; integer averages round toward negative infinity).
+        names: optional names of the tensors, used in error messages.
 
     Returns:
         The reduced tensors, in the structure of `tensors`.
@@ -139,6 +184,9 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum) -> Any:
     Raises:
         ValueError: tensors differ across ranks (on every rank, naming tensor and ranks).
         TypeError: a non-floating tensor with op=Adasum.
+        NonFiniteUpdateError: op=Adasum, and some rank's tensors hold NaN or Inf (on every rank,
+            naming the rank and the tensor).
+        UnevenDataError: op=Adasum, and some rank ended its epoch instead of calling this.
         PeerError: a peer died or did not answer within TF_ADASUM_TIMEOUT_SECONDS.
 
     Example:
@@ -152,7 +200,7 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum) -> Any:
         ops.check_float_tensors("allreduce(op=Adasum)", items, one_dtype=False)
     check_same_on_all_ranks(comm, items, f"allreduce(op={op.name.title()})")
     if op is Adasum:
-        out = vhdd_allreduce(comm, items)
+        out = vhdd_allreduce(comm, items, names)
     else:
         out = [comm.allreduce_sum(t) for t in items]
         if op is Average:
@@ -168,3 +216,48 @@ def broadcast(tensors: Any, root: int = 0) -> Any:
     check_same_on_all_ranks(comm, items, "broadcast")
     out = [comm.broadcast(t, root) for t in items]
     return out[0] if single else out
+
+
+def translate_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a function that runs compiled steps so that tf_adasum's errors reach the caller as themselves.
+
+    Inside a tf.function, a PeerError (or NonFiniteUpdateError, UnevenDataError) raised by the MPI
+    engine or the agreement check surfaces as tf.errors.UnknownError, and a dead peer under the TF engine
+    as UnavailableError or DeadlineExceededError. The wrapper re-raises them as tf_adasum's classes,
+    naming the rank.
+    """
+    if getattr(fn, "_tf_adasum_translates", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except tf.errors.OpError as error:
+            translated = translate(error)
+            if translated is None:
+                raise
+            raise translated from error
+
+    wrapped._tf_adasum_translates = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+_RAISED_IN_GRAPH = re.compile(rf"^({'|'.join(ERRORS)}): (.+)$", re.MULTILINE)
+
+
+def translate(error: tf.errors.OpError) -> Exception | None:
+    """The tf_adasum error that an OpError from a compiled step stands for, or None."""
+    raised = _RAISED_IN_GRAPH.search(error.message)
+    if raised:
+        return ERRORS[raised.group(1)](raised.group(2))
+    lost_peer = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+    if _comm is not None and _comm.size > 1 and isinstance(error, lost_peer):
+        peer = _comm.peer_of(error.message)
+        who = f"rank {peer}" if peer is not None else "a peer"
+        first_line = error.message.strip().splitlines()[0]
+        return PeerError(
+            f"rank {_comm.rank}: lost {who} during a compiled step (it died, hangs, or did not answer within "
+            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): {first_line}"
+        )
+    return None

@@ -22,8 +22,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import distributed
+from tf_adasum import agreement, distributed
+from tf_adasum.callbacks import broadcast_variables
 from tf_adasum.tree import adasum_tree
+
+COMPRESSIONS = ("none", "fp16")
 
 
 def _tf_variable(variable: Any) -> Any:
@@ -36,66 +39,94 @@ def _local_values(distribution: tf.distribute.Strategy, variable: Any) -> list[A
     return list(distribution.experimental_local_results(_tf_variable(variable)))
 
 
-@keras.saving.register_keras_serializable(package="tf_adasum")
-class AdasumOptimizer(keras.optimizers.Optimizer):
-    """Wraps a Keras optimizer so that replicas step locally and their deltas are combined with Adasum.
+def _dense(gradient: Any) -> Any:
+    """Keras 3 under TensorFlow gives embeddings IndexedSlices gradients; every reduction here is dense."""
+    return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
-    Args:
-        inner: any Keras 3 optimizer (SGD with momentum, Adam, AdamW, Lamb, ...). Its learning-rate
-            schedule, clipping and weight decay apply in each local step.
-        sync_every: how many local steps each replica takes between two Adasum combinations.
-        name: optional name; default "adasum_<inner name>".
 
-    Raises:
-        TypeError: `inner` is not a Keras optimizer.
-        ValueError: `sync_every` is not a positive integer, or `inner` is already an AdasumOptimizer.
+def _check_compression(compression: str) -> str:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    return compression
 
-    Example:
-        >>> model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
+
+def _allreduce_compressed(tensors: list[Any], op: Any, compression: str, names: list[str]) -> list[Any]:
+    """tf_adasum.allreduce across processes; with "fp16", floating tensors travel as float16."""
+    if compression == "none":
+        return distributed.allreduce(tensors, op=op, names=names)
+    sent = [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t for t in tensors]
+    reduced = distributed.allreduce(sent, op=op, names=names)
+    return [tf.cast(r, t.dtype) for r, t in zip(reduced, tensors, strict=True)]
+
+
+def sync_deltas(
+    distribution: tf.distribute.Strategy,
+    variables: list[Any],
+    anchors: list[Any],
+    compression: str = "none",
+) -> tf.Tensor:
+    """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
+
+    The deltas since the last sync are combined with the contract tree over this process's replicas
+    and, across processes, with tf_adasum.allreduce; every replica and every process then holds the
+    same weights, bitwise. Runs in cross-replica context (or with no strategy).
+    """
+    per_variable = [_local_values(distribution, v) for v in variables]
+    anchor_values = [_local_values(distribution, a)[0] for a in anchors]
+    replicas = len(per_variable[0]) if per_variable else 0
+    per_replica = [
+        [tf.identity(values[r]) - anchor for values, anchor in zip(per_variable, anchor_values, strict=True)]
+        for r in range(replicas)
+    ]
+    delta = adasum_tree(per_replica) if replicas > 1 else per_replica[0]
+    if distributed.init().size > 1:
+        names = [getattr(v, "path", None) or v.name for v in variables]
+        delta = _allreduce_compressed(delta, distributed.Adasum, compression, names)
+    for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
+        synced = anchor_value + d
+        for target in (variable, anchor):
+            distribution.extended.update(
+                _tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
+            )
+    return tf.constant(True)
+
+
+def sync_if_due(
+    distribution: tf.distribute.Strategy,
+    variables: list[Any],
+    anchors: list[Any],
+    iterations: Any,
+    sync_every: int,
+    compression: str = "none",
+) -> None:
+    """sync_deltas after every `sync_every`-th optimizer step (`iterations`, already incremented)."""
+    # In cross-replica context: a cond here may contain the collectives of the sync.
+    if sync_every == 1:
+        sync_deltas(distribution, variables, anchors, compression)
+        return
+    due = tf.equal(tf.math.floormod(iterations, sync_every), 0)
+    tf.cond(
+        due, lambda: sync_deltas(distribution, variables, anchors, compression), lambda: tf.constant(False)
+    )
+
+
+class WrappedOptimizer(keras.optimizers.Optimizer):
+    """What AdasumOptimizer and AllreduceOptimizer share: an inner Keras optimizer that does the steps.
+
+    The learning rate, the iteration count, loss scaling and finalisation are the inner optimizer's,
+    so schedules and callbacks that read or set them see the optimizer the user configured.
     """
 
-    def __init__(
-        self, inner: keras.optimizers.Optimizer, sync_every: int = 1, name: str | None = None
-    ) -> None:
-        if isinstance(inner, AdasumOptimizer):
-            raise ValueError("the inner optimizer is already an AdasumOptimizer")
+    def __init__(self, inner: keras.optimizers.Optimizer, name: str) -> None:
+        if isinstance(inner, WrappedOptimizer):
+            raise ValueError(f"the inner optimizer is already a {type(inner).__name__}")
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(
-                f"AdasumOptimizer wraps a Keras optimizer (keras.optimizers.Adam(...), ...), got "
+                f"{type(self).__name__} wraps a Keras optimizer (keras.optimizers.Adam(...), ...), got "
                 f"{type(inner).__module__}.{type(inner).__name__}"
             )
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
-        super().__init__(learning_rate=0.0, name=name or f"adasum_{inner.name}")
+        super().__init__(learning_rate=0.0, name=name)
         self.inner = inner
-        self.sync_every = sync_every
-        # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
-        inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-
-    def build(self, var_list: list[Any]) -> None:
-        current = tf.distribute.get_strategy()
-        for optimizer in (self, self.inner):
-            if optimizer._distribution_strategy is not current:
-                raise ValueError(
-                    f"optimizer {optimizer.name!r} was created under "
-                    f"{type(optimizer._distribution_strategy).__name__} but is being built under "
-                    f"{type(current).__name__}: create the model and its optimizer "
-                    "inside the same strategy.scope()"
-                )
-        comm = distributed.init()
-        if comm.size > 1 and var_list:
-            # Every process starts from rank 0's weights, as MultiWorkerMirroredStrategy and Horovod's
-            # broadcast callback arrange; otherwise each would keep its own random initialisation.
-            start = distributed.broadcast([_tf_variable(v) for v in var_list], root=0)
-            for variable, value in zip(var_list, start, strict=True):
-                variable.assign(value)
-        self.inner.build(var_list)
-        # The weights as of the last sync; deltas are measured from here.
-        self._anchors = [
-            self.add_variable_from_reference(v, name="adasum_anchor", initializer=_value_of(v))
-            for v in var_list
-        ]
-        super().build(var_list)
 
     @property
     def learning_rate(self) -> Any:
@@ -115,6 +146,76 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list: list[Any]) -> None:
         self.inner.finalize_variable_values(var_list)
 
+    def _config(self) -> dict[str, Any]:
+        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+@keras.saving.register_keras_serializable(package="tf_adasum")
+class AdasumOptimizer(WrappedOptimizer):
+    """Wraps a Keras optimizer so that replicas step locally and their deltas are combined with Adasum.
+
+    Args:
+        inner: any Keras 3 optimizer (SGD with momentum, Adam, AdamW, Lamb, ...). Its learning-rate
+            schedule, clipping and weight decay apply in each local step.
+        sync_every: how many local steps each replica takes between two Adasum combinations.
+        name: optional name; default "adasum_<inner name>".
+        root: across processes, the rank whose initial weights every process starts from.
+        compression: "none", or "fp16" to send float32/float64 deltas across processes as float16.
+
+    Raises:
+        TypeError: `inner` is not a Keras optimizer.
+        ValueError: `sync_every` is not a positive integer, or `inner` is already wrapped.
+
+    Example:
+        >>> model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
+    """
+
+    def __init__(
+        self,
+        inner: keras.optimizers.Optimizer,
+        sync_every: int = 1,
+        name: str | None = None,
+        root: int = 0,
+        compression: str = "none",
+    ) -> None:
+        if isinstance(inner, AdasumOptimizer):
+            raise ValueError("the inner optimizer is already an AdasumOptimizer")
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        super().__init__(inner, name=name or f"adasum_{getattr(inner, 'name', 'optimizer')}")
+        self.sync_every = sync_every
+        self.root = root
+        self.compression = _check_compression(compression)
+        # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
+        inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+    def build(self, var_list: list[Any]) -> None:
+        current = tf.distribute.get_strategy()
+        for optimizer in (self, self.inner):
+            if optimizer._distribution_strategy is not current:
+                raise ValueError(
+                    f"optimizer {optimizer.name!r} was created under "
+                    f"{type(optimizer._distribution_strategy).__name__} but is being built under "
+                    f"{type(current).__name__}: create the model and its optimizer "
+                    "inside the same strategy.scope()"
+                )
+        # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
+        # broadcast callback arrange; otherwise each would keep its own random initialisation.
+        broadcast_variables(var_list, self.root)
+        self.inner.build(var_list)
+        # The weights as of the last sync; deltas are measured from here.
+        self._anchors = [
+            self.add_variable_from_reference(v, name="adasum_anchor", initializer=_value_of(v))
+            for v in var_list
+        ]
+        super().build(var_list)
+
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         context = tf.distribute.get_replica_context()
         if context is None:
@@ -124,58 +225,86 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(list(trainable_variables) if trainable_variables is not None else [])
         replicas = context.num_replicas_in_sync
+        grads = [None if g is None else _dense(g) for g in grads]
         if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
             grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
         self.inner.apply(grads, trainable_variables)
         variables = (
             list(trainable_variables) if trainable_variables is not None else self.inner._trainable_variables
         )
-        context.merge_call(self._sync_if_due, args=(variables,))
-
-    def _sync_if_due(self, distribution: tf.distribute.Strategy, variables: list[Any]) -> None:
-        # In cross-replica context: a cond here may contain the collectives of the sync.
-        if self.sync_every == 1:
-            self._sync(distribution, variables)
-            return
-        due = tf.equal(tf.math.floormod(self.inner.iterations, self.sync_every), 0)
-        tf.cond(due, lambda: self._sync(distribution, variables), lambda: tf.constant(False))
-
-    def _sync(self, distribution: tf.distribute.Strategy, variables: list[Any]) -> tf.Tensor:
         anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
-        per_variable = [_local_values(distribution, v) for v in variables]
-        anchor_values = [_local_values(distribution, a)[0] for a in anchors]
-        replicas = len(per_variable[0]) if per_variable else 0
-        per_replica = [
-            [
-                tf.identity(values[r]) - anchor
-                for values, anchor in zip(per_variable, anchor_values, strict=True)
-            ]
-            for r in range(replicas)
-        ]
-        delta = adasum_tree(per_replica) if replicas > 1 else per_replica[0]
-        comm = distributed.init()
-        if comm.size > 1:
-            delta = distributed.allreduce(delta, op=distributed.Adasum)
-        for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
-            synced = anchor_value + d
-            for target in (variable, anchor):
-                distribution.extended.update(
-                    _tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
-                )
-        return tf.constant(True)
+        context.merge_call(
+            sync_if_due,
+            args=(variables, anchors, self.inner.iterations, self.sync_every, self.compression),
+        )
 
     def get_config(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "inner": keras.saving.serialize_keras_object(self.inner),
+            **self._config(),
             "sync_every": self.sync_every,
+            "root": self.root,
+            "compression": self.compression,
         }
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> AdasumOptimizer:
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
-        return cls(inner, **config)
+
+@keras.saving.register_keras_serializable(package="tf_adasum")
+class AllreduceOptimizer(WrappedOptimizer):
+    """Sums or averages the gradients over processes before the inner optimizer steps, as Horovod does.
+
+    This is what `tf_adasum.keras.DistributedOptimizer(op=Average)` (or `op=Sum`) returns: one process
+    per worker, no tf.distribute strategy. For Adasum use AdasumOptimizer, which combines the updates
+    after the optimizer instead.
+
+    Args:
+        inner: any Keras 3 optimizer.
+        op: tf_adasum.Average or tf_adasum.Sum.
+        name: optional name; default "allreduce_<inner name>".
+        compression: "none", or "fp16" to send float32/float64 gradients as float16.
+    """
+
+    def __init__(
+        self,
+        inner: keras.optimizers.Optimizer,
+        op: Any = distributed.Average,
+        name: str | None = None,
+        compression: str = "none",
+    ) -> None:
+        op = distributed.ReduceOp(op)
+        if op is distributed.Adasum:
+            raise ValueError("AllreduceOptimizer sums or averages gradients; for Adasum use AdasumOptimizer")
+        super().__init__(inner, name=name or f"allreduce_{getattr(inner, 'name', 'optimizer')}")
+        self.op = op
+        self.compression = _check_compression(compression)
+
+    def build(self, var_list: list[Any]) -> None:
+        self.inner.build(var_list)
+        super().build(var_list)
+
+    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            raise ValueError(
+                f"AllreduceOptimizer runs one replica per process, but this step has "
+                f"{context.num_replicas_in_sync} replicas: start one process per device instead of a "
+                "tf.distribute strategy"
+            )
+        comm = distributed.init()
+        if comm.size > 1:
+            # A rank that ran out of data meets this sync at its epoch end: both raise, neither waits.
+            checked = agreement.agree(comm, agreement.SYNC, -1, "gradient allreduce")
+            with tf.control_dependencies([checked]):
+                grads = [None if g is None else tf.identity(_dense(g)) for g in grads]
+            present = [i for i, g in enumerate(grads) if g is not None]
+            variables = list(trainable_variables) if trainable_variables is not None else None
+            names = [variables[i].path for i in present] if variables is not None else []
+            reduced = _allreduce_compressed([grads[i] for i in present], self.op, self.compression, names)
+            grads = list(grads)
+            for i, g in zip(present, reduced, strict=True):
+                grads[i] = g
+        self.inner.apply(grads, trainable_variables)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**self._config(), "op": self.op.value, "compression": self.compression}
 
 
 def _value_of(variable: Any) -> Any:

@@ -44,7 +44,7 @@ def launch(np: int, command: list[str], timeout: float | None = None) -> int:
     lock = threading.Lock()
     processes = []
     for rank in range(np):
-        env = dict(os.environ)
+        env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
         env["TF_CONFIG"] = json.dumps(
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
         )

@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras.src import optimizers as keras_optimizers
 
 from tf_adasum import distributed
+from tf_adasum.callbacks import average_logs
 from tf_adasum.optimizer import AdasumOptimizer
 
 _keras_get_optimizer = keras_optimizers.get
@@ -120,7 +121,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 logs = step(*a, **k)
                 if trains:
                     _average_state_over_processes(model.non_trainable_variables)
-                return _average_over_processes(logs)
+                return average_logs(logs)
 
             fn = step_with_global_logs
         return super().run(fn, args=args, kwargs=kwargs, options=options)
@@ -152,20 +153,3 @@ def _average_state_over_processes(variables: list[Any]) -> None:
     means = distributed.allreduce([v.value for v in state], op=distributed.Average)
     for variable, mean in zip(state, means, strict=True):
         variable.assign(mean)
-
-
-def _average_over_processes(logs: Any) -> Any:
-    """The mean over processes of every floating scalar in Keras's logs; one collective for all."""
-    flat = tf.nest.flatten(logs)
-    index = [
-        i
-        for i, v in enumerate(flat)
-        if isinstance(v, tf.Tensor) and v.dtype.is_floating and v.shape.rank == 0
-    ]
-    if not index:
-        return logs
-    values = tf.stack([tf.cast(flat[i], tf.float64) for i in index])
-    mean = distributed.allreduce(values, op=distributed.Average)
-    for j, i in enumerate(index):
-        flat[i] = tf.cast(mean[j], flat[i].dtype)
-    return tf.nest.pack_sequence_as(logs, flat)

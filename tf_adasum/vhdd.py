@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import ops
+from tf_adasum import agreement, ops
 from tf_adasum.comm.base import Communicator
 from tf_adasum.tree import fold_size
 
@@ -139,29 +139,58 @@ def vhdd_fused(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[in
     return buffer
 
 
-def vhdd_allreduce(comm: Communicator, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """Adasum of every rank's tensors by the contract tree; tensors of each dtype are fused."""
+def _fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> tuple[tf.Tensor, list[int], list[int]]:
+    """One aligned buffer of tensors[i] for i in index; returns it, the tensor starts and the pads."""
+    dtype = tensors[index[0]].dtype
+    align = ALIGN_BYTES // dtype.size
+    sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
+    starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
+    pads = [int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)]
+    zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
+    parts = []
+    for i, pad in zip(index, pads, strict=True):
+        parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
+    return tf.concat(parts, 0), starts.tolist(), pads
+
+
+def vhdd_allreduce(
+    comm: Communicator, tensors: Sequence[tf.Tensor], names: Sequence[str] | None = None
+) -> list[tf.Tensor]:
+    """Adasum of every rank's tensors by the contract tree; tensors of each dtype are fused.
+
+    First every rank agrees (agreement.py) that all ranks are at this sync with finite tensors;
+    otherwise every rank raises the same error before any data moves.
+    """
     if comm.size == 1:
         return list(tensors)
-    out: list[tf.Tensor | None] = [None] * len(tensors)
+    groups = []
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        align = ALIGN_BYTES // dtype.size
-        sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
-        starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
-        pads = [
-            int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)
-        ]
-        zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
-        parts = []
-        for i, pad in zip(index, pads, strict=True):
-            parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
-        combined = vhdd_fused(comm, tf.concat(parts, 0), starts.tolist())
+        groups.append((index, *_fuse(tensors, index)))
+
+    # The first non-finite tensor over all groups, as an index into `tensors`, or -1.
+    none = tf.constant(len(tensors), tf.int64)
+    first = none
+    for index, buffer, starts, _ in groups:
+        found = agreement.first_nonfinite(buffer, starts)
+        original = tf.gather(
+            tf.constant(index, tf.int64), tf.maximum(found, 0)
+        )  # where picks; gather must not fail
+        first = tf.minimum(first, tf.where(found < 0, none, original))
+    code = tf.where(first == none, tf.constant(-1, tf.int64), first)
+    checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names)
+
+    out: list[tf.Tensor | None] = [None] * len(tensors)
+    for index, buffer, starts, pads in groups:
+        with tf.control_dependencies([checked]):
+            buffer = tf.identity(buffer)
+        combined = vhdd_fused(comm, buffer, starts)
         # One split at aligned boundaries (views, not copies); the padding pieces are dropped.
         lengths: list[int] = []
         keep: list[int] = []
-        for size, pad in zip(sizes, pads, strict=True):
+        for i, pad in zip(index, pads, strict=True):
             keep.append(len(lengths))
+            size = int(np.prod(tensors[i].shape.as_list()))
             lengths += [size, pad] if pad else [size]
         pieces = tf.split(combined, lengths)
         for i, k in zip(index, keep, strict=True):

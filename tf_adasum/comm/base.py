@@ -21,6 +21,21 @@ class PeerError(RuntimeError):
     """A peer died, never arrived, or did not answer within the timeout."""
 
 
+class NonFiniteUpdateError(ValueError):
+    """Some rank's update holds NaN or Inf; every rank raises the same error at the same step."""
+
+
+class UnevenDataError(ValueError):
+    """The ranks ran different numbers of batches; every rank raises the same error."""
+
+
+# Errors raised inside a tf.function reach the caller as tf.errors.UnknownError (or, from the collective
+# runtime, as Unavailable / DeadlineExceeded); errors.translate() turns them back into these.
+ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (PeerError, NonFiniteUpdateError, UnevenDataError)
+}
+
+
 class Communicator(abc.ABC):
     """Ranks of one job and the few collectives Adasum needs.
 
@@ -30,8 +45,23 @@ class Communicator(abc.ABC):
 
     engine: str = "abstract"
 
-    def __init__(self, rank: int, size: int, local_rank: int, local_size: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        local_rank: int,
+        local_size: int,
+        cross_rank: int = 0,
+        cross_size: int = 1,
+    ) -> None:
         self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
+        # As Horovod defines them: cross_rank is this host's index among the hosts that run a process
+        # with this local_rank, and cross_size is how many such hosts there are.
+        self.cross_rank, self.cross_size = cross_rank, cross_size
+
+    def peer_of(self, message: str) -> int | None:
+        """The rank that an engine's error message names, if it names one."""
+        return None
 
     @abc.abstractmethod
     def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
@@ -52,6 +82,15 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
         """The plain elementwise sum over all ranks."""
+
+    @abc.abstractmethod
+    def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
+        """Every rank's int64 [2] control codes, as [size, 2] in rank order.
+
+        The one collective that every rank calls at a model sync and at the end of an epoch, so that a
+        rank in one and a rank in the other meet, see the difference, and raise instead of waiting for
+        each other. It matches across eager calls and tf.function executions alike.
+        """
 
     @abc.abstractmethod
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
@@ -80,6 +119,9 @@ class SingleProcessCommunicator(Communicator):
 
     def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
         return tensor
+
+    def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
+        return tf.expand_dims(codes, 0)
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         return [obj]

@@ -49,9 +49,21 @@ class MPICommunicator(Communicator):
             ) from error
         self._mpi = MPI
         self._comm = MPI.COMM_WORLD.Dup()
+        # Control codes travel on their own communicator: MPI matches collectives per communicator, so
+        # a rank at a sync and a rank at an epoch end meet in agree() whatever else is pending.
+        self._control = MPI.COMM_WORLD.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        super().__init__(self._comm.Get_rank(), self._comm.Get_size(), local.Get_rank(), local.Get_size())
+        cross = self._comm.Split(color=local.Get_rank(), key=self._comm.Get_rank())
+        super().__init__(
+            self._comm.Get_rank(),
+            self._comm.Get_size(),
+            local.Get_rank(),
+            local.Get_size(),
+            cross.Get_rank(),
+            cross.Get_size(),
+        )
         local.Free()
+        cross.Free()
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def prepare_groups(self, groups: Sequence[Sequence[int]]) -> None:
@@ -167,6 +179,15 @@ class MPICommunicator(Communicator):
             return out.astype(x.dtype)
 
         return self._host(run, [tensor], tensor.dtype, tensor.shape)
+
+    def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
+        def run(x: np.ndarray) -> np.ndarray:
+            mine = np.array(x, np.int64, order="C")
+            out = np.empty((self.size, *mine.shape), np.int64)
+            self._wait([self._control.Iallgather(mine, out)], what, "all ranks")
+            return out
+
+        return self._host(run, [codes], tf.int64, [self.size, *codes.shape])
 
     def _wait_objects(self, requests: dict[int, Any], what: str) -> dict[int, Any]:
         """Polls pickled-object receives until all arrive; a timeout names the ranks still missing."""

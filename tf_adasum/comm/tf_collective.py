@@ -1,4 +1,8 @@
-"""TensorFlow's collective runtime: processes configured by TF_CONFIG, as for MultiWorkerMirroredStrategy.
+"""TensorFlow's collective runtime: processes configured by TF_CONFIG, or started by horovodrun in Gloo mode.
+
+Under TF_CONFIG the cluster is the config's workers. Under horovodrun's Gloo mode (no MPI), each process
+picks a free port, publishes `host:port` in horovodrun's own rendezvous key-value store
+(HOROVOD_GLOO_RENDEZVOUS_ADDR / _PORT), and reads every other rank's address from it.
 
 Exchanges are CollectiveGatherV2 in groups of two; sums are CollectiveReduceV2. Everything is in-graph,
 so it works eagerly and inside tf.function. Two details matter:
@@ -16,6 +20,11 @@ import hashlib
 import json
 import os
 import pickle
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -26,28 +35,94 @@ import tensorflow as tf
 from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
 
 
-def _group_key(members: Sequence[int]) -> int:
+def _group_key(members: Sequence[int | str]) -> int:
     # Far above the small keys MultiWorkerMirroredStrategy hands out for its own collectives.
     digest = hashlib.sha256(repr(tuple(members)).encode()).digest()
     return (1 << 30) + int.from_bytes(digest[:4], "little") % (1 << 30)
 
 
+def cluster_from_tf_config(environ: Any = None) -> tuple[list[str], int]:
+    """(worker addresses, this worker's index) from TF_CONFIG."""
+    config = json.loads((os.environ if environ is None else environ)["TF_CONFIG"])
+    task_type, task_id = config["task"]["type"], int(config["task"]["index"])
+    return list(config["cluster"][task_type]), task_id
+
+
+_RENDEZVOUS_SCOPE = "tf_adasum_workers"
+
+
+def cluster_from_horovodrun(environ: Any = None) -> tuple[list[str], int]:
+    """(worker addresses, this rank) through horovodrun's rendezvous store, in Gloo mode.
+
+    Raises:
+        PeerError: a rank did not publish its address within TF_ADASUM_TIMEOUT_SECONDS.
+    """
+    env = os.environ if environ is None else environ
+    rank, size = int(env["HOROVOD_RANK"]), int(env["HOROVOD_SIZE"])
+    store = f"http://{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
+    host = socket.gethostbyname(env.get("HOROVOD_HOSTNAME") or socket.gethostname())
+    with socket.socket() as probe:  # a free port for this worker's gRPC server
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    mine = urllib.request.Request(
+        f"{store}/{_RENDEZVOUS_SCOPE}/{rank}", data=f"{host}:{port}".encode(), method="PUT"
+    )
+    urllib.request.urlopen(mine, timeout=30).close()
+    addresses: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_seconds()
+    while len(addresses) < size:
+        for r in range(size):
+            if r in addresses:
+                continue
+            try:
+                with urllib.request.urlopen(f"{store}/{_RENDEZVOUS_SCOPE}/{r}", timeout=30) as reply:
+                    addresses[r] = reply.read().decode()
+            except urllib.error.HTTPError as error:
+                if error.code != 404:  # 404: that rank has not published yet
+                    raise
+        if len(addresses) < size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(size)) - set(addresses))
+                raise PeerError(
+                    f"rank {rank}: rank(s) {missing} did not publish their address in horovodrun's "
+                    f"rendezvous store within {timeout_seconds():.0f} s (TF_ADASUM_TIMEOUT_SECONDS)"
+                )
+            time.sleep(0.05)
+    return [addresses[r] for r in range(size)], rank
+
+
 class TFCollectiveCommunicator(Communicator):
-    """The workers of TF_CONFIG's cluster, one CPU device each."""
+    """The workers of one cluster (TF_CONFIG's, or horovodrun's), one CPU device each.
+
+    Args:
+        workers: every worker's "host:port", in rank order.
+        rank: this process's index in `workers`.
+    """
 
     engine = "tf"
 
-    def __init__(self) -> None:
-        config = json.loads(os.environ["TF_CONFIG"])
-        task_type, task_id = config["task"]["type"], int(config["task"]["index"])
-        workers = config["cluster"][task_type]
+    def __init__(self, workers: Sequence[str], rank: int) -> None:
         hosts = [address.rsplit(":", 1)[0] for address in workers]
-        same_host = [i for i, h in enumerate(hosts) if h == hosts[task_id]]
-        super().__init__(task_id, len(workers), same_host.index(task_id), len(same_host))
+        same_host = [i for i, h in enumerate(hosts) if h == hosts[rank]]
+        local_rank = same_host.index(rank)
+        # Hosts in order of first appearance; the cross group is every host with a local_rank-th process.
+        host_order = list(dict.fromkeys(hosts))
+        cross = [h for h in host_order if sum(1 for x in hosts if x == h) > local_rank]
+        super().__init__(rank, len(workers), local_rank, len(same_host), cross.index(hosts[rank]), len(cross))
+        self.workers = list(workers)
+        task_type = "worker"
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({task_type: self.workers}),
+            task_type=task_type,
+            task_id=rank,
+            rpc_layer="grpc",
+        )
         # The strategy starts this worker's gRPC server and turns on the collective runtime.
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds())
         try:
-            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options
+            )
         except RuntimeError as error:
             if "at program startup" not in str(error):
                 raise
@@ -56,7 +131,7 @@ class TFCollectiveCommunicator(Communicator):
                 "create the AdasumStrategy) at the top of the script, before listing devices or building "
                 "tensors"
             ) from error
-        self.device = f"/job:{task_type}/replica:0/task:{task_id}/device:CPU:0"
+        self.device = f"/job:{task_type}/replica:0/task:{rank}/device:CPU:0"
         self._instances: dict[int, int] = defaultdict(int)
         with tf.init_scope(), tf.device(self.device):
             self._token = tf.Variable(0.0, trainable=False, name="tf_adasum_ordering_token")
@@ -68,14 +143,20 @@ class TFCollectiveCommunicator(Communicator):
             )
         self._position = {int(r): i for i, r in enumerate(order.numpy())}
 
-    def _collective(self, kind: str, x: tf.Tensor, members: Sequence[int], what: str) -> tf.Tensor:
+    def _collective(
+        self, kind: str, x: tf.Tensor, members: Sequence[int], what: str, instance_key: int | None = None
+    ) -> tf.Tensor:
         members = sorted(members)
         key = _group_key(members)
-        self._instances[key] += 1
+        if instance_key is None:
+            self._instances[key] += 1
+            instance_key = self._instances[key]
+        else:  # a fixed key of its own group, matched by every call whether eager or traced
+            key = _group_key(["control", *members])
         args: dict[str, Any] = {
             "group_size": len(members),
             "group_key": key,
-            "instance_key": self._instances[key],
+            "instance_key": instance_key,
             "ordering_token": [self._token.handle],
             "communication_hint": "auto",
             "timeout_seconds": timeout_seconds(),
@@ -90,11 +171,22 @@ class TFCollectiveCommunicator(Communicator):
             tf.errors.UnavailableError,
             tf.errors.CancelledError,
         ) as error:
-            others = [m for m in members if m != self.rank]
+            named = self.peer_of(error.message)
+            others = [named] if named is not None else [m for m in members if m != self.rank]
             raise PeerError(
                 f"rank {self.rank}: {what} with rank(s) {others} failed within {timeout_seconds():.0f} s "
                 f"(TF_ADASUM_TIMEOUT_SECONDS): {error.message.splitlines()[0]}"
             ) from error
+
+    def peer_of(self, message: str) -> int | None:
+        # The runtime names a peer by task ("/job:worker/replica:0/task:1") or by address.
+        for match in re.finditer(r"/job:\w+/replica:\d+/task:(\d+)", message):
+            if int(match.group(1)) != self.rank:
+                return int(match.group(1))
+        for r, address in enumerate(self.workers):
+            if r != self.rank and address in message:
+                return r
+        return None
 
     def _gather(self, x: tf.Tensor, members: Sequence[int], what: str) -> tf.Tensor:
         # The runtime gathers only float16/32/64 and int32/64. A gather moves bits without arithmetic,
@@ -147,6 +239,16 @@ class TFCollectiveCommunicator(Communicator):
             )
         total.set_shape(tensor.shape)
         return total
+
+    def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
+        # Instance key 1 of the control group, every time: a rank's eager call and another's call from a
+        # traced train step must meet, and traced collectives keep the keys they were traced with.
+        gathered = self._collective(
+            "gather", tf.expand_dims(codes, 0), range(self.size), what, instance_key=1
+        )
+        stacked = self._in_rank_order(gathered)
+        stacked.set_shape([self.size, *codes.shape])
+        return stacked
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         with tf.init_scope():  # eager even while a tf.function is being traced

@@ -1,0 +1,220 @@
+"""One process of the existing-scripts tests: plain Keras scripts under AdasumCallback, Horovod scripts
+under tf_adasum.keras, and what happens when a rank fails. Started by mpirun, `python -m tf_adasum.run` or
+horovodrun; every process writes what it saw into OUT_DIR.
+
+Usage:
+    script_worker.py OUT_DIR callback     # AdasumCallback: {SGD momentum, Adam} x sync_every {1, 2}
+    script_worker.py OUT_DIR horovod      # the Horovod example port, then DistributedOptimizer(op=Average)
+    script_worker.py OUT_DIR failures     # a NaN on rank 1; uneven shards, known and unknown length
+    script_worker.py OUT_DIR killed       # rank 1 dies mid-epoch; BackupAndRestore saves every 2 batches
+    script_worker.py OUT_DIR resume       # the same fit again: it resumes from the backup
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_adasum  # noqa: E402  (under tf_adasum.run and horovodrun this starts the TF engine)
+
+ROWS_PER_RANK, BATCH, FEATURES, OUTPUTS = 16, 4, 3, 2
+CASES = [("sgd_momentum", 1, 0), ("adam", 1, 1), ("sgd_momentum", 2, 2), ("adam", 2, 0)]  # kind, k, root
+
+
+def shard(rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 + rank)
+    x = rng.standard_normal((ROWS_PER_RANK, FEATURES)).astype(np.float32)
+    y = rng.standard_normal((ROWS_PER_RANK, OUTPUTS)).astype(np.float32)
+    return x, y
+
+
+def initial_weights(rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(2000 + rank)
+    return [
+        rng.standard_normal((FEATURES, OUTPUTS)).astype(np.float32),
+        rng.standard_normal(OUTPUTS).astype(np.float32),
+    ]
+
+
+def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
+    if kind == "sgd_momentum":
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+    return keras.optimizers.Adam(0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
+
+
+def linear_model(rank: int, optimizer: Any) -> keras.Model:
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(OUTPUTS)])
+    model.set_weights(initial_weights(rank))  # every rank starts elsewhere: the callback must broadcast
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def save(out: Path, name: str, info: dict[str, Any], arrays: list[np.ndarray] | None = None) -> None:
+    rank = tf_adasum.rank()
+    (out / f"{name}{rank}.json").write_text(json.dumps(info))
+    if arrays is not None:
+        np.savez(out / f"{name}{rank}.npz", *arrays)
+
+
+def callback(out: Path) -> None:
+    tf_adasum.init()
+    x, y = shard(tf_adasum.rank())
+    for i, (kind, sync_every, root) in enumerate(CASES):
+        user_optimizer = make_optimizer(kind)
+        model = linear_model(tf_adasum.rank(), user_optimizer)
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[tf_adasum.AdasumCallback(sync_every=sync_every, root=root)],
+        )
+        # After fit the model holds the user's optimizer, plain: it saves and loads without tf_adasum.
+        plain = model.optimizer is user_optimizer and "apply" not in vars(user_optimizer)
+        save(out, f"callback_case{i}_", {"plain_optimizer": plain}, model.get_weights())
+
+
+def horovod(out: Path) -> None:
+    import tensorflow2_keras_mnist as example
+
+    import tf_adasum.keras as hvd
+
+    example.EPOCHS, example.STEPS = 4, 120
+    os.chdir(out)  # the example writes its checkpoints into the working directory
+    model = example.train()
+    history = model.history.history
+    rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    info = {"history": history, "learning_rate": rate, "size": hvd.size()}
+    save(out, "example", info, model.get_weights())
+
+    # DistributedOptimizer(op=Average): one step on each rank's batch = one step on both batches.
+    x, y = shard(hvd.rank())
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), op=hvd.Average)
+    model = linear_model(0, optimizer)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    save(out, "average", {}, model.get_weights())
+
+
+def outcome(fn: Any) -> dict[str, Any]:
+    """What fn raised (type and message) and how long it took."""
+    start = time.monotonic()
+    try:
+        fn()
+        error, message = "none", ""
+    except Exception as caught:  # the test asserts the exact type
+        error, message = type(caught).__name__, str(caught)
+    return {"error": error, "message": message, "seconds": time.monotonic() - start}
+
+
+def failures(out: Path) -> None:
+    rank = tf_adasum.init().rank
+    results: dict[str, Any] = {}
+
+    x, y = shard(rank)
+    if rank == 1:
+        x = x.copy()
+        x[2 * BATCH + 1, 0] = np.nan  # rank 1's third batch: its update goes NaN at step 3
+    model = linear_model(rank, make_optimizer("sgd_momentum"))
+    results["nan"] = outcome(
+        lambda: model.fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[tf_adasum.AdasumCallback()]
+        )
+    )
+
+    # Known length: rank 1 has one batch fewer; every rank refuses before the first step.
+    x, y = shard(rank)
+    rows = ROWS_PER_RANK - BATCH if rank == 1 else ROWS_PER_RANK
+    model = linear_model(rank, make_optimizer("sgd_momentum"))
+    results["uneven_known"] = outcome(
+        lambda: model.fit(
+            x[:rows], y[:rows], batch_size=BATCH, verbose=0, callbacks=[tf_adasum.AdasumCallback()]
+        )
+    )
+
+    # Unknown length (a generator): rank 1 runs out after 2 batches, the others have 4.
+    def batches() -> Any:
+        for i in range(rows // BATCH if rank != 1 else 2):
+            yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+    spec = (tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, OUTPUTS], tf.float32))
+    data = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    model = linear_model(rank, make_optimizer("sgd_momentum"))
+    results["uneven_unknown"] = outcome(
+        lambda: model.fit(data, epochs=2, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
+    )
+    save(out, "failures", results)
+
+
+class DieAt(keras.callbacks.Callback):
+    """Kills this process, without a word, as a crash would, at the start of a batch."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.epoch, self.batch, self.current = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.current = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if (self.current, batch) == (self.epoch, self.batch):
+            os.kill(os.getpid(), 9)
+
+
+class Record(keras.callbacks.Callback):
+    """Writes the weights and the step count each time a batch ends, and at train begin."""
+
+    def __init__(self, out: Path, name: str) -> None:
+        super().__init__()
+        self.out, self.name = out, name
+
+    def _write(self, label: str) -> None:
+        steps = int(self.model.optimizer.iterations.numpy())
+        save(self.out, f"{self.name}_{label}_", {"iterations": steps}, self.model.get_weights())
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._write("begin")
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._write(f"batch{int(self.model.optimizer.iterations.numpy())}")
+
+
+def killed_or_resumed(out: Path, resume: bool) -> None:
+    rank = tf_adasum.init().rank
+    x, y = shard(rank)
+    model = linear_model(rank, make_optimizer("sgd_momentum"))
+    backup = keras.callbacks.BackupAndRestore(str(out / f"backup{rank}"), save_freq=2)
+    callbacks: list[Any] = [tf_adasum.AdasumCallback(), backup, Record(out, "resume" if resume else "killed")]
+    if not resume and rank == 1:
+        callbacks.append(DieAt(epoch=1, batch=1))  # after 5 steps: the backup holds step 4
+    result = outcome(
+        lambda: model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    )
+    save(out, "resumed" if resume else "killed", result, model.get_weights())
+    sys.stdout.flush()
+    if result["error"] != "none":
+        os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that died
+
+
+if __name__ == "__main__":
+    out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    if mode == "callback":
+        callback(out_dir)
+    elif mode == "horovod":
+        horovod(out_dir)
+    elif mode == "failures":
+        failures(out_dir)
+    else:
+        killed_or_resumed(out_dir, resume=mode == "resume")

@@ -1,0 +1,115 @@
+"""What every rank checks with the others before a model sync and at the end of an epoch.
+
+A model sync across processes is only correct when every rank arrives at it with a finite update and
+the same step; a rank that arrives with NaN, or has run out of data, would otherwise leave the others
+waiting in the middle of the algorithm until the timeout. So each sync starts with one tiny collective,
+`Communicator.agree`, of two int64 codes per rank:
+
+    (SYNC, -1)          ready, update finite
+    (SYNC, i)           ready, but tensor i of the update holds NaN or Inf
+    (EPOCH_END, n)      this rank finished its epoch after n batches
+
+A rank at a sync and a rank at an epoch end meet in the same collective, so both see the mismatch.
+Every rank builds its error from the same gathered table, so every rank raises the same error at the
+same step, eagerly or from inside a compiled train step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum import ops
+from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
+
+SYNC, EPOCH_END = 0, 1
+
+_WHAT_TO_DO = (
+    "give every rank the same number of batches per epoch (equal shards, drop_remainder=True), or pass "
+    "steps_per_epoch to fit"
+)
+
+
+def _describe_tensor(index: int, count: int, names: Sequence[str] | None) -> str:
+    name = f" ({names[index]})" if names is not None and index < len(names) else ""
+    return f"tensor {index} of {count}{name}"
+
+
+def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None = None) -> None:
+    """Raises the error that a gathered [size, 2] table of codes calls for; the same on every rank.
+
+    Args:
+        table: row r is rank r's (kind, value).
+        count: how many tensors the sync carries, for the message.
+        names: their names, for the message.
+
+    Raises:
+        NonFiniteUpdateError: every rank is at a sync, and some rank's update holds NaN or Inf.
+        UnevenDataError: some ranks ended their epoch while others are at a sync, or the ranks ended
+            their epochs after different numbers of batches.
+    """
+    kinds, values = table[:, 0], table[:, 1]
+    ended = [int(r) for r in np.flatnonzero(kinds == EPOCH_END)]
+    syncing = [int(r) for r in np.flatnonzero(kinds == SYNC)]
+    if ended and syncing:
+        batches = ", ".join(f"rank {r} after {int(values[r])}" for r in ended)
+        raise UnevenDataError(
+            f"rank(s) {ended} ran out of data ({batches} batches of this epoch) while rank(s) {syncing} "
+            f"still had batches and are waiting to sync: {_WHAT_TO_DO}"
+        )
+    if ended:
+        if len(set(values.tolist())) > 1:
+            batches = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(values))
+            raise UnevenDataError(
+                f"the ranks ran different numbers of batches this epoch ({batches}): {_WHAT_TO_DO}"
+            )
+        return
+    bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
+    if bad:
+        where = "; ".join(f"rank {r}: {_describe_tensor(i, count, names)}" for r, i in bad)
+        raise NonFiniteUpdateError(
+            f"the update of rank(s) {[r for r, _ in bad]} is not finite ({where} holds NaN or Inf); every "
+            "rank stops at this step. Look for a diverging loss or a bad batch on that rank "
+            "(keras.callbacks.TerminateOnNaN stops on the loss), or lower the learning rate"
+        )
+
+
+def agree(
+    comm: Communicator,
+    kind: int,
+    value: tf.Tensor | int,
+    what: str,
+    count: int = 0,
+    names: Sequence[str] | None = None,
+) -> tf.Tensor:
+    """Gathers every rank's (kind, value) and raises on every rank if they disagree.
+
+    Returns:
+        A tensor to make later work depend on (inside a tf.function the check runs as an op).
+    """
+    codes = tf.stack([tf.constant(kind, tf.int64), tf.cast(value, tf.int64)])
+    table = comm.agree(codes, what)
+    if tf.executing_eagerly():
+        check_table(table.numpy(), count, names)
+        return table
+
+    def check(gathered: np.ndarray) -> np.ndarray:
+        check_table(gathered, count, names)
+        return gathered
+
+    checked = tf.numpy_function(check, [table], tf.int64, stateful=True)
+    checked.set_shape(table.shape)
+    return checked
+
+
+def first_nonfinite(buffer: tf.Tensor, starts: Sequence[int]) -> tf.Tensor:
+    """The index of the first tensor of a fused buffer whose squared norm is not finite, or -1.
+
+    The squared norms come from the same float64 kernel as Adasum's own, so this refuses exactly the
+    tensors that Adasum's combination would refuse (NaN, Inf, or a float64 norm that overflows).
+    """
+    norms = ops.adasum_segment_dot_norms(buffer, buffer, tf.constant(starts, tf.int64))
+    finite = tf.math.is_finite(norms[:, 1])
+    return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), tf.argmin(tf.cast(finite, tf.int32)))
