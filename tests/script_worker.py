@@ -5,8 +5,10 @@ horovodrun; every process writes what it saw into OUT_DIR.
 Usage:
     script_worker.py OUT_DIR callback     # AdasumCallback: {SGD momentum, Adam} x sync_every {1, 2}
     script_worker.py OUT_DIR horovod      # the Horovod example port, then DistributedOptimizer(op=Average)
+    script_worker.py OUT_DIR both         # callback, then horovod
     script_worker.py OUT_DIR failures     # a NaN on rank 1; uneven shards, known and unknown length
     script_worker.py OUT_DIR killed       # rank 1 dies mid-epoch; BackupAndRestore saves every 2 batches
+    script_worker.py OUT_DIR hung         # rank 1 hangs mid-epoch instead
     script_worker.py OUT_DIR resume       # the same fit again: it resumes from the backup
 """
 
@@ -22,14 +24,15 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tf_adasum  # noqa: E402  (under tf_adasum.run and horovodrun this starts the TF engine)
+import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
 
 ROWS_PER_RANK, BATCH, FEATURES, OUTPUTS = 16, 4, 3, 2
-CASES = [("sgd_momentum", 1, 0), ("adam", 1, 1), ("sgd_momentum", 2, 2), ("adam", 2, 0)]  # kind, k, root
+# kind, sync_every, root (modulo the number of processes)
+CASES = [("sgd_momentum", 1, 0), ("adam", 1, 1), ("sgd_momentum", 2, 2), ("adam", 2, 0)]
 
 
 def shard(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,11 +82,19 @@ def callback(out: Path) -> None:
             batch_size=BATCH,
             shuffle=False,
             verbose=0,
-            callbacks=[tf_adasum.AdasumCallback(sync_every=sync_every, root=root)],
+            callbacks=[tf_adasum.AdasumCallback(sync_every=sync_every, root=root % tf_adasum.size())],
         )
         # After fit the model holds the user's optimizer, plain: it saves and loads without tf_adasum.
         plain = model.optimizer is user_optimizer and "apply" not in vars(user_optimizer)
-        save(out, f"callback_case{i}_", {"plain_optimizer": plain}, model.get_weights())
+        comm = tf_adasum.init()
+        info = {
+            "plain_optimizer": plain,
+            "engine": comm.engine,
+            "size": comm.size,
+            "rendezvous": os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+            "workers": getattr(comm, "workers", None),
+        }
+        save(out, f"callback_case{i}_", info, model.get_weights())
 
 
 def horovod(out: Path) -> None:
@@ -158,17 +169,19 @@ def failures(out: Path) -> None:
 
 
 class DieAt(keras.callbacks.Callback):
-    """Kills this process, without a word, as a crash would, at the start of a batch."""
+    """At the start of a batch, kills this process without a word, as a crash would, or hangs it."""
 
-    def __init__(self, epoch: int, batch: int) -> None:
+    def __init__(self, epoch: int, batch: int, hang: bool = False) -> None:
         super().__init__()
-        self.epoch, self.batch, self.current = epoch, batch, -1
+        self.epoch, self.batch, self.current, self.hang = epoch, batch, -1, hang
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         self.current = epoch
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if (self.current, batch) == (self.epoch, self.batch):
+            if self.hang:  # alive, but never comes to the sync: the others must not wait forever
+                time.sleep(float(os.environ["TF_ADASUM_TIMEOUT_SECONDS"]) + 30)
             os.kill(os.getpid(), 9)
 
 
@@ -180,8 +193,10 @@ class Record(keras.callbacks.Callback):
         self.out, self.name = out, name
 
     def _write(self, label: str) -> None:
-        steps = int(self.model.optimizer.iterations.numpy())
-        save(self.out, f"{self.name}_{label}_", {"iterations": steps}, self.model.get_weights())
+        optimizer = self.model.optimizer
+        state = [v.numpy() for v in optimizer.variables if "momentum" in v.path]
+        info = {"iterations": int(optimizer.iterations.numpy()), "weights": len(self.model.get_weights())}
+        save(self.out, f"{self.name}_{label}_", info, self.model.get_weights() + state)
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._write("begin")
@@ -190,14 +205,14 @@ class Record(keras.callbacks.Callback):
         self._write(f"batch{int(self.model.optimizer.iterations.numpy())}")
 
 
-def killed_or_resumed(out: Path, resume: bool) -> None:
+def killed_or_resumed(out: Path, resume: bool, hang: bool = False) -> None:
     rank = tf_adasum.init().rank
     x, y = shard(rank)
     model = linear_model(rank, make_optimizer("sgd_momentum"))
     backup = keras.callbacks.BackupAndRestore(str(out / f"backup{rank}"), save_freq=2)
     callbacks: list[Any] = [tf_adasum.AdasumCallback(), backup, Record(out, "resume" if resume else "killed")]
     if not resume and rank == 1:
-        callbacks.append(DieAt(epoch=1, batch=1))  # after 5 steps: the backup holds step 4
+        callbacks.append(DieAt(epoch=1, batch=1, hang=hang))  # after 5 steps: the backup holds step 4
     result = outcome(
         lambda: model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     )
@@ -216,5 +231,8 @@ if __name__ == "__main__":
         horovod(out_dir)
     elif mode == "failures":
         failures(out_dir)
+    elif mode == "both":  # horovodrun: a plain Keras script, then a Horovod one, in one launch
+        callback(out_dir)
+        horovod(out_dir)
     else:
-        killed_or_resumed(out_dir, resume=mode == "resume")
+        killed_or_resumed(out_dir, resume=mode == "resume", hang=mode == "hung")

@@ -93,7 +93,7 @@ def simulate_processes(kind: str, p: int, sync_every: int, root: int) -> list[np
 def check_callback_run(out: Path, p: int) -> None:
     for i, (kind, sync_every, root) in enumerate(CASES):
         infos, weights = load(out, f"callback_case{i}_", p)
-        want = simulate_processes(kind, p, sync_every, root)
+        want = simulate_processes(kind, p, sync_every, root % p)
         for r in range(p):
             assert infos[r]["plain_optimizer"], f"case {i}: rank {r} kept a patched optimizer"
             for got, first in zip(weights[r], weights[0], strict=True):
@@ -119,3 +119,112 @@ def test_the_simulation_can_tell_root_and_sync_every_apart() -> None:
             assert not np.allclose(ends[i], ends[j], atol=1e-3), (CASES[i], CASES[j])
     without_sync = simulate_processes("sgd_momentum", 3, 1000, 0)[0]
     assert not np.allclose(ends[0], without_sync, atol=1e-3)
+
+
+def check_horovod_run(out: Path, p: int) -> None:
+    infos, weights = load(out, "example", p)
+    for r in range(p):
+        for got, first in zip(weights[r], weights[0], strict=True):
+            np.testing.assert_array_equal(got, first)  # bitwise equal on every rank
+        assert infos[r]["history"] == infos[0]["history"]  # MetricAverageCallback: the same logs everywhere
+    history = infos[0]["history"]
+    initial_lr = 0.001 * p  # the example's scaled_lr
+    assert infos[0]["learning_rate"] == pytest.approx(initial_lr, rel=1e-6)  # after warm-up: initial_lr
+    assert history["lr"][0] < initial_lr  # it did warm up
+    assert history["accuracy"][-1] > 0.9, history
+    assert len(list(out.glob("checkpoint-*.keras"))) == 4  # rank 0's ModelCheckpoint, once per epoch
+
+    # DistributedOptimizer(op=Average): the same as one process stepping on both ranks' batches at once.
+    _, averaged = load(out, "average", p)
+    params = [w.astype(np.float64) for w in initial_weights(0)]
+    sgd = Replica("sgd_momentum", params)
+    data = [[a.astype(np.float64) for a in shard(r)] for r in range(p)]
+    for step in range(ROWS_PER_RANK // BATCH):
+        x = np.concatenate([d[0][step * BATCH : (step + 1) * BATCH] for d in data])
+        y = np.concatenate([d[1][step * BATCH : (step + 1) * BATCH] for d in data])
+        err = x @ params[0] + params[1] - y
+        params = sgd.step(params, [2 * x.T @ err / err.size, 2 * err.sum(0) / err.size], step + 1)
+    for r in range(p):
+        for got, want in zip(averaged[r], params, strict=True):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        for got, first in zip(averaged[r], averaged[0], strict=True):
+            np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "tf"])
+def test_the_horovod_example_runs_with_tf_adasum_keras(launcher: str, tmp_path: Path) -> None:
+    code = launch(launcher, 2, tmp_path, "horovod")
+    assert code == 0, log_tail(tmp_path)
+    check_horovod_run(tmp_path, 2)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_horovodrun_gloo_runs_plain_and_horovod_scripts(p: int, tmp_path: Path) -> None:
+    code = launch("horovodrun", p, tmp_path, "both")
+    assert code == 0, log_tail(tmp_path)
+    infos, _ = load(tmp_path, "callback_case0_", p)
+    for info in infos:  # the TF engine, started from horovodrun's own rendezvous, on the loopback only
+        assert info["engine"] == "tf" and info["size"] == p, info
+        assert info["rendezvous"] == "127.0.0.1", info
+        assert all(w.startswith("127.0.0.1:") for w in info["workers"]), info
+    check_callback_run(tmp_path, p)
+    check_horovod_run(tmp_path, p)
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "tf"])
+def test_a_nan_or_uneven_data_stops_every_rank_with_the_same_error(launcher: str, tmp_path: Path) -> None:
+    code = launch(launcher, 3, tmp_path, "failures")
+    assert code == 0, log_tail(tmp_path)
+    infos, _ = load(tmp_path, "failures", 3)
+    for case, error, says in [
+        ("nan", "NonFiniteUpdateError", "rank 1: tensor 0 of 2 (sequential/dense/kernel) holds NaN or Inf"),
+        ("uneven_known", "UnevenDataError", "(rank 0: 4, rank 1: 3, rank 2: 4)"),
+        ("uneven_unknown", "UnevenDataError", "rank(s) [1] ran out of data (rank 1 after 2 batches"),
+    ]:
+        for r in range(3):
+            seen = infos[r][case]
+            assert seen["error"] == error and says in seen["message"], (case, r, seen)
+            assert seen["message"] == infos[0][case]["message"]  # the same error on every rank
+            assert "steps_per_epoch" in seen["message"] or case == "nan"
+            assert seen["seconds"] < 20, (case, r, seen)  # far below the 60 s peer timeout: no waiting
+
+
+def check_resumed_from_the_backup(out: Path) -> None:
+    for r in range(2):
+        backup_info, backup = load(out, "killed_batch4_", 2)
+        begin_info, begin = load(out, "resume_begin_", 2)
+        assert begin_info[r]["iterations"] == backup_info[r]["iterations"] == 4
+        for got, want in zip(begin[r], backup[r], strict=True):  # weights and this rank's own momentum
+            np.testing.assert_array_equal(got, want)
+    momentum = begin[0][begin_info[0]["weights"] :]
+    assert not np.array_equal(momentum[0], begin[1][begin_info[1]["weights"]]), "per-rank state was lost"
+    infos, final = load(out, "resumed", 2)
+    assert [i["error"] for i in infos] == ["none", "none"], infos
+    for got, first in zip(final[1], final[0], strict=True):
+        np.testing.assert_array_equal(got, first)
+
+
+def test_a_killed_rank_stops_the_others_and_backup_and_restore_resumes_tf_engine(tmp_path: Path) -> None:
+    code = launch("tf", 2, tmp_path, "killed")
+    assert code != 0, log_tail(tmp_path)
+    seen = json.loads((tmp_path / "killed0.json").read_text())
+    assert seen["error"] == "PeerError" and "lost rank 1" in seen["message"], seen
+    assert seen["seconds"] < 30, seen
+    assert launch("tf", 2, tmp_path, "resume") == 0, log_tail(tmp_path)
+    check_resumed_from_the_backup(tmp_path)
+
+
+def test_a_killed_rank_ends_the_mpi_job_and_backup_and_restore_resumes(tmp_path: Path) -> None:
+    # Open MPI itself ends the job within a second and names the rank; nobody waits for it.
+    code = launch("mpi", 2, tmp_path, "killed")
+    assert code != 0 and "process rank 1" in log_tail(tmp_path), log_tail(tmp_path)
+    assert launch("mpi", 2, tmp_path, "resume") == 0, log_tail(tmp_path)
+    check_resumed_from_the_backup(tmp_path)
+
+
+def test_a_hung_mpi_rank_gives_peer_error_inside_fit(tmp_path: Path) -> None:
+    code = launch("mpi", 2, tmp_path, "hung", peer_timeout="10")
+    assert code != 0, log_tail(tmp_path)
+    seen = json.loads((tmp_path / "killed0.json").read_text())
+    assert seen["error"] == "PeerError" and "rank(s) [1]" in seen["message"], seen
+    assert 10 <= seen["seconds"] < 40, seen

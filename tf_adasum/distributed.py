@@ -255,9 +255,17 @@ def translate(error: tf.errors.OpError) -> Exception | None:
     if _comm is not None and _comm.size > 1 and isinstance(error, lost_peer):
         peer = _comm.peer_of(error.message)
         who = f"rank {peer}" if peer is not None else "a peer"
-        first_line = error.message.strip().splitlines()[0]
         return PeerError(
             f"rank {_comm.rank}: lost {who} during a compiled step (it died, hangs, or did not answer within "
-            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): {first_line}"
+            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): {type(error).__name__}: {_cause(error.message)}"
         )
     return None
+
+
+def _cause(message: str) -> str:
+    """The line of a TensorFlow error message that says what failed, not where it was defined."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:  # the runtime's own account, e.g. "Collective ops is aborted by: <reason>"
+        if "aborted by" in line or "check alive failed" in line or "timed out" in line.lower():
+            return line
+    return next((line for line in lines if "task:" in line), lines[-1] if lines else "")

@@ -182,9 +182,17 @@ class MPICommunicator(Communicator):
 
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
-            mine = np.array(x, np.int64, order="C")
-            out = np.empty((self.size, *mine.shape), np.int64)
-            self._wait([self._control.Iallgather(mine, out)], what, "all ranks")
+            # Point to point rather than one Iallgather, so that a timeout names the ranks missing.
+            out = np.empty((self.size, *x.shape), np.int64)
+            out[self.rank] = x
+            others = [r for r in range(self.size) if r != self.rank]
+            receives = {r: self._control.Irecv(out[r], source=r, tag=13) for r in others}
+            sends = [self._control.Isend(out[self.rank], dest=r, tag=13) for r in others]
+
+            def missing() -> str:
+                return f"rank(s) {[r for r, request in receives.items() if not request.Test()]}"
+
+            self._poll(lambda: self._mpi.Request.Testall([*receives.values(), *sends]), what, missing)
             return out
 
         return self._host(run, [codes], tf.int64, [self.size, *codes.shape])
