@@ -7,7 +7,7 @@ LIBRARY := tf_adasum/_adasum_ops.so
 NVCC ?= /usr/local/cuda/bin/nvcc
 CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 
-.PHONY: venv build test lint demo bench cuda clean
+.PHONY: venv build test lint demo bench cuda horovod clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: build lint
+# Horovod's horovodrun launches the Gloo-mode tests; without it they would skip.
+test: build lint horovod
 	$(PY) -m pytest -q
+
+# Horovod 0.28.1 built against the venv's TensorFlow (Gloo, MPI): horovodrun next to tf_adasum.
+horovod: $(VENV)/bin/horovodrun
+
+$(VENV)/bin/horovodrun: $(STAMP) scripts/install_horovod.sh
+	scripts/install_horovod.sh $(VENV)
 
 demo: build
 	$(PY) -m tf_adasum.demo

@@ -8,8 +8,8 @@
 set -euo pipefail
 venv=${1:-.venv}
 py="$venv/bin/python"
-if "$py" -c "import horovod.tensorflow" 2>/dev/null; then
-    echo "horovod is already installed in $venv"
+if [ -x "$venv/bin/horovodrun" ] && "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('horovod') is None)"; then
+    touch "$venv/bin/horovodrun"  # up to date for make
     exit 0
 fi
 work=$(mktemp -d)

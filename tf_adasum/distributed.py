@@ -243,7 +243,7 @@ def translate_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-_RAISED_IN_GRAPH = re.compile(rf"^({'|'.join(ERRORS)}): (.+)$", re.MULTILINE)
+_RAISED_IN_GRAPH = re.compile(rf"^(?:[\w.]+\.)?({'|'.join(ERRORS)}): (.+)$", re.MULTILINE)
 
 
 def translate(error: tf.errors.OpError) -> Exception | None:
@@ -257,7 +257,8 @@ def translate(error: tf.errors.OpError) -> Exception | None:
         who = f"rank {peer}" if peer is not None else "a peer"
         return PeerError(
             f"rank {_comm.rank}: lost {who} during a compiled step (it died, hangs, or did not answer within "
-            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): {type(error).__name__}: {_cause(error.message)}"
+            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): "
+            f"{type(error).__name__}: {_cause(error.message)}"
         )
     return None
 

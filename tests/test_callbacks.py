@@ -1,0 +1,200 @@
+"""In one process: the callbacks, tf_adasum.keras, the agreement table and error translation. The same
+code across real processes is in test_existing_scripts.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adasum
+import tf_adasum.keras as hvd
+from tests.test_training import build_linear, cpus, make_inner, problem
+from tf_adasum import agreement, distributed
+
+
+def test_adasum_callback_in_one_process_trains_as_the_plain_optimizer(tmp_path: Path) -> None:
+    x, y, _, _ = problem()
+    plain = build_linear(tf.distribute.get_strategy(), lambda: make_inner("adam"))
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    user_optimizer = make_inner("adam")
+    model = build_linear(tf.distribute.get_strategy(), lambda: user_optimizer)
+    model.fit(
+        x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[tf_adasum.AdasumCallback(sync_every=2)]
+    )
+    for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)  # a world of one: the sync changes nothing
+    assert model.optimizer is user_optimizer and "apply" not in vars(user_optimizer)
+
+    # The model saved after fit loads in a process that never imports tf_adasum.
+    model.save(tmp_path / "model.keras")
+    code = (
+        "import sys, keras; m = keras.models.load_model(sys.argv[1]); "
+        "assert 'tf_adasum' not in sys.modules; print(type(m.optimizer).__name__)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "model.keras")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "Adam", loaded.stderr[-2000:]
+
+
+def test_adasum_callback_refuses_strategies_and_wrapped_optimizers() -> None:
+    x, y, _, _ = problem()
+    with pytest.raises(ValueError, match="sync_every must be a positive integer, got 0"):
+        tf_adasum.AdasumCallback(sync_every=0)
+    strategy = tf.distribute.MirroredStrategy(cpus(2), cross_device_ops=tf.distribute.ReductionToOneDevice())
+    model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    with pytest.raises(ValueError, match=r"use tf_adasum\.AdasumStrategy instead"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
+    model = build_linear(tf.distribute.get_strategy(), lambda: tf_adasum.AdasumOptimizer(make_inner("adam")))
+    with pytest.raises(ValueError, match="use either it or AdasumCallback, not both"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
+
+
+class RecordRates(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+def test_learning_rate_schedule_callback_follows_horovods_formula() -> None:
+    x, y, _, _ = problem()
+    model = build_linear(tf.distribute.get_strategy(), lambda: keras.optimizers.Adam(1.0))
+    record = RecordRates()
+    schedule = hvd.callbacks.LearningRateScheduleCallback(0.8, multiplier=0.5, start_epoch=1, end_epoch=3)
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[schedule, record])
+    # Epoch 0: not adjusted yet; epochs 1 and 2: 0.8 * 0.5**epoch at their first batch; then left alone.
+    assert record.rates == pytest.approx([1.0] * 4 + [0.4] * 4 + [0.2] * 4 + [0.2] * 4)
+    assert history.history["lr"] == pytest.approx([1.0, 0.4, 0.2, 0.2])
+
+    record = RecordRates()
+    smooth = hvd.callbacks.LearningRateScheduleCallback(1.0, multiplier=lambda e: e, staircase=False)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[smooth, record])
+    assert record.rates == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75])
+
+
+def test_learning_rate_warmup_reaches_initial_lr_and_warns_about_keras_momentum() -> None:
+    x, y, _, _ = problem()
+    model = build_linear(tf.distribute.get_strategy(), lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    record = RecordRates()
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.3, warmup_epochs=2)
+    with pytest.warns(UserWarning, match="momentum_correction cannot change the momentum"):
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[warmup, record])
+    # One process: size 1, so the warm-up multiplier is 1 throughout (Horovod's formula).
+    assert record.rates == pytest.approx([0.3] * 12)
+
+
+def test_metric_average_and_broadcast_are_identities_in_a_world_of_one() -> None:
+    logs = {"loss": 0.5, "accuracy": np.float32(0.25), "name": "kept"}
+    assert tf_adasum.callbacks.average_logs(logs) == logs
+    variable = tf.Variable([1.0, 2.0])
+    hvd.broadcast_variables([variable], root_rank=0)
+    np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
+    with pytest.raises(ValueError, match="device='/gpu:0'"):
+        hvd.callbacks.MetricAverageCallback(device="/gpu:0")
+
+
+def test_horovod_api_in_one_process() -> None:
+    hvd.init()
+    assert hvd.is_initialized() and (hvd.size(), hvd.rank(), hvd.local_size(), hvd.local_rank()) == (
+        1,
+        0,
+        1,
+        0,
+    )
+    assert (hvd.cross_size(), hvd.cross_rank()) == (1, 0)
+    np.testing.assert_array_equal(hvd.allreduce([1.0, 3.0]), [1.0, 3.0])
+    np.testing.assert_array_equal(hvd.allreduce([1.0, 3.0], op=hvd.Sum), [1.0, 3.0])
+    np.testing.assert_array_equal(hvd.broadcast(np.arange(3), root_rank=0), np.arange(3))
+    np.testing.assert_array_equal(hvd.allgather(np.ones((2, 3))), np.ones((2, 3)))
+    with pytest.raises(ValueError, match="pass op or average, not both"):
+        hvd.allreduce(1.0, average=True, op=hvd.Sum)
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    hvd.init()
+    assert hvd.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("device_dense", "/gpu:0"),
+        ("gradient_predivide_factor", 2.0),
+        ("num_groups", 2),
+        ("groups", [[0]]),
+        ("process_set", object()),
+        ("scale_local_gradients", False),
+    ],
+)
+def test_distributed_optimizer_names_what_it_does_not_implement(argument: str, value: Any) -> None:
+    with pytest.raises(NotImplementedError, match=rf"DistributedOptimizer\({argument}="):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), **{argument: value})
+
+
+def test_distributed_optimizer_chooses_by_op() -> None:
+    adasum = hvd.DistributedOptimizer(
+        keras.optimizers.Adam(), op=hvd.Adasum, backward_passes_per_step=3, compression=hvd.Compression.fp16
+    )
+    assert isinstance(adasum, tf_adasum.AdasumOptimizer) and adasum.sync_every == 3
+    assert adasum.compression == "fp16"
+    average = hvd.DistributedOptimizer(keras.optimizers.Adam(), op=hvd.Sum)
+    assert isinstance(average, tf_adasum.AllreduceOptimizer) and average.op is hvd.Sum
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step=2"):
+        hvd.DistributedOptimizer(keras.optimizers.Adam(), backward_passes_per_step=2)
+    # Both serialize, so a model compiled with them saves and loads.
+    for optimizer in (adasum, average):
+        again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+        assert type(again) is type(optimizer) and again.get_config() == optimizer.get_config()
+
+
+def test_the_agreement_table_names_the_rank_and_the_tensor() -> None:
+    sync, end = agreement.SYNC, agreement.EPOCH_END
+    agreement.check_table(np.array([[sync, -1], [sync, -1]]))
+    agreement.check_table(np.array([[end, 7], [end, 7]]))
+    with pytest.raises(tf_adasum.NonFiniteUpdateError, match=r"rank\(s\) \[1\].*tensor 2 of 3 \(d/kernel\)"):
+        agreement.check_table(np.array([[sync, -1], [sync, 2]]), 3, ["a", "b", "d/kernel"])
+    with pytest.raises(tf_adasum.UnevenDataError, match=r"rank\(s\) \[0\] ran out of data \(rank 0 after 5"):
+        agreement.check_table(np.array([[end, 5], [sync, -1]]))
+    with pytest.raises(tf_adasum.UnevenDataError, match="rank 0: 5, rank 1: 6"):
+        agreement.check_table(np.array([[end, 5], [end, 6]]))
+
+
+def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:
+    def raise_in_graph(_: np.ndarray) -> np.ndarray:
+        raise tf_adasum.NonFiniteUpdateError("the update of rank(s) [1] is not finite")
+
+    @tf.function
+    def step(x: tf.Tensor) -> tf.Tensor:
+        return tf.numpy_function(raise_in_graph, [x], tf.float32, stateful=True)
+
+    with pytest.raises(tf.errors.OpError):  # what TensorFlow alone makes of it
+        step(tf.ones(2))
+    with pytest.raises(
+        tf_adasum.NonFiniteUpdateError, match=r"^the update of rank\(s\) \[1\] is not finite$"
+    ):
+        distributed.translate_errors(step)(tf.ones(2))
+
+
+def test_engine_detection_reads_horovodrun_and_the_launchers() -> None:
+    gloo = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
+    assert distributed.detect_engine(gloo) == "tf"
+    assert distributed.launched_for_the_tf_engine(gloo)
+    assert distributed.detect_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo}) == "mpi"  # horovodrun --mpi
+    assert not distributed.launched_for_the_tf_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo})
+    assert not distributed.launched_for_the_tf_engine({"TF_CONFIG": "{}"})  # the user calls init()
+    assert distributed.launched_for_the_tf_engine({"TF_CONFIG": "{}", "TF_ADASUM_LAUNCHER": "1"})
+    assert distributed.detect_engine({"TF_ADASUM_ENGINE": "single", **gloo}) == "single"
+    with pytest.raises(ValueError, match=r"TF_ADASUM_ENGINE='gloo'; expected one of"):
+        distributed.detect_engine({"TF_ADASUM_ENGINE": "gloo"})
