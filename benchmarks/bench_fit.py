@@ -3,6 +3,13 @@
 Usage:
     python benchmarks/bench_fit.py [--replicas 2 4] [--steps 40]            # local logical CPUs
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
+    mpirun -np 2 python benchmarks/bench_fit.py --scripts                   # existing-script entry points
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --scripts
+
+With --scripts, every process runs a plain Keras fit (one replica per process, no strategy) three ways
+in the same run: alone, with no communication at all (the single-process baseline); with
+tf_adasum.AdasumCallback(); and with tf_adasum.keras.DistributedOptimizer(op=Average), the gradient
+average that Horovod scripts use. It prints each median and the callback's ratio to the other two.
 
 Prints JSON lines with the median step time (ms) of each strategy, measured by a callback over the
 steps after warm-up, and their ratio adasum/baseline. Models: an MLP (784-512-512-10) and a small CNN
@@ -53,14 +60,23 @@ def data(kind: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal(shape).astype(np.float32), rng.integers(0, 10, n).astype(np.int32)
 
 
-def fit_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5) -> float:
+def fit_step_ms(
+    strategy: Any,
+    kind: str,
+    global_batch: int,
+    steps: int,
+    warmup: int = 5,
+    wrap: Any = None,
+    callbacks: list[Any] | None = None,
+) -> float:
     import keras
 
     x, y = data(kind, global_batch * (steps + warmup))
     with strategy.scope():
         model = make_model(kind)
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
         model.compile(
-            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            optimizer=wrap(optimizer) if wrap else optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     times: list[float] = []
@@ -73,8 +89,42 @@ def fit_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup:
             if batch >= warmup:
                 times.append(time.perf_counter() - self.start)
 
-    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    model.fit(
+        x,
+        y,
+        batch_size=global_batch,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[*(callbacks or []), Timer()],
+    )
     return 1e3 * statistics.median(times)
+
+
+def scripts(kind: str, local_batch: int, steps: int) -> None:
+    """One process per worker, no strategy: alone, with AdasumCallback, and with a gradient average."""
+    import tensorflow as tf
+
+    import tf_adasum
+    import tf_adasum.keras as hvd
+
+    comm = tf_adasum.init()
+    default = tf.distribute.get_strategy()
+    alone = fit_step_ms(default, kind, local_batch, steps)  # plain Keras: no collective at all
+    callback = fit_step_ms(default, kind, local_batch, steps, callbacks=[tf_adasum.AdasumCallback()])
+    average = fit_step_ms(default, kind, local_batch, steps, wrap=lambda o: hvd.DistributedOptimizer(o))
+    row = {
+        "model": kind,
+        "processes": comm.size,
+        "engine": comm.engine,
+        "plain_ms": round(alone, 2),
+        "adasum_callback_ms": round(callback, 2),
+        "average_ms": round(average, 2),
+        "callback_vs_plain": round(callback / alone, 2),
+        "callback_vs_average": round(callback / average, 2),
+    }
+    if comm.rank == 0:
+        print(json.dumps(row), flush=True)
 
 
 def custom_loop_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5) -> float:
@@ -122,10 +172,17 @@ def main() -> None:
     parser.add_argument("--local-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--processes", action="store_true", help="run under tf_adasum.run or mpirun")
+    parser.add_argument("--scripts", action="store_true", help="AdasumCallback and op=Average, per process")
     args = parser.parse_args()
 
     import tensorflow as tf
 
+    if args.scripts:
+        import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
+
+        for kind in args.models:
+            scripts(kind, args.local_batch, args.steps)
+        return
     if not args.processes:
         tf.config.set_logical_device_configuration(
             tf.config.list_physical_devices("CPU")[0],

@@ -89,7 +89,10 @@ def agree(
     Returns:
         A tensor to make later work depend on (inside a tf.function the check runs as an op).
     """
-    codes = tf.stack([tf.constant(kind, tf.int64), tf.cast(value, tf.int64)])
+    if isinstance(value, int):
+        codes = tf.constant([kind, value], tf.int64)
+    else:
+        codes = tf.stack([tf.constant(kind, tf.int64), tf.cast(value, tf.int64)])
     table = comm.agree(codes, what)
     if tf.executing_eagerly():
         check_table(table.numpy(), count, names)
@@ -104,12 +107,23 @@ def agree(
     return checked
 
 
-def first_nonfinite(buffer: tf.Tensor, starts: Sequence[int]) -> tf.Tensor:
-    """The index of the first tensor of a fused buffer whose squared norm is not finite, or -1.
+def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[int]]]) -> tf.Tensor | int:
+    """The index of the first tensor whose squared norm is not finite, or -1.
+
+    Args:
+        groups: (indices of the tensors, their fused buffer, the tensor starts in it), per dtype.
 
     The squared norms come from the same float64 kernel as Adasum's own, so this refuses exactly the
     tensors that Adasum's combination would refuse (NaN, Inf, or a float64 norm that overflows).
     """
-    norms = ops.adasum_segment_dot_norms(buffer, buffer, tf.constant(starts, tf.int64))
-    finite = tf.math.is_finite(norms[:, 1])
-    return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), tf.argmin(tf.cast(finite, tf.int32)))
+    norms = [ops.adasum_segment_dot_norms(b, b, tf.constant(starts, tf.int64)) for _, b, starts in groups]
+    if tf.executing_eagerly():  # one kernel per dtype, then numpy: no per-op dispatch on the hot path
+        bad: list[int] = []
+        for (index, _, _), n in zip(groups, norms, strict=True):
+            finite = np.isfinite(n.numpy()[:, 1])
+            bad += [i for i, ok in zip(index, finite, strict=True) if not ok]
+        return min(bad, default=-1)
+    index = tf.constant([i for group, _, _ in groups for i in group], tf.int64)
+    finite = tf.math.is_finite(tf.concat([n[:, 1] for n in norms], 0))
+    first = tf.reduce_min(tf.where(finite, tf.constant(np.iinfo(np.int64).max, tf.int64), index))
+    return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)

@@ -1,4 +1,4 @@
-"""The replica tree of DESIGN.md, computed in one process with the fused ops.
+"""The replica tree of docs/design.md, computed in one process with the fused ops.
 
 Per tensor, over P replicas v_0 ... v_{P-1} (any P >= 1):
 

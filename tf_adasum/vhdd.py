@@ -168,16 +168,7 @@ def vhdd_allreduce(
         index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         groups.append((index, *_fuse(tensors, index)))
 
-    # The first non-finite tensor over all groups, as an index into `tensors`, or -1.
-    none = tf.constant(len(tensors), tf.int64)
-    first = none
-    for index, buffer, starts, _ in groups:
-        found = agreement.first_nonfinite(buffer, starts)
-        original = tf.gather(
-            tf.constant(index, tf.int64), tf.maximum(found, 0)
-        )  # where picks; gather must not fail
-        first = tf.minimum(first, tf.where(found < 0, none, original))
-    code = tf.where(first == none, tf.constant(-1, tf.int64), first)
+    code = agreement.first_nonfinite([(index, buffer, starts) for index, buffer, starts, _ in groups])
     checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names)
 
     out: list[tf.Tensor | None] = [None] * len(tensors)
