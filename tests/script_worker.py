@@ -31,8 +31,14 @@ import tensorflow as tf
 import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
 
 ROWS_PER_RANK, BATCH, FEATURES, OUTPUTS = 16, 4, 3, 2
-# kind, sync_every, root (modulo the number of processes)
-CASES = [("sgd_momentum", 1, 0), ("adam", 1, 1), ("sgd_momentum", 2, 2), ("adam", 2, 0)]
+# kind, sync_every, root (modulo the number of processes), steps_per_execution
+CASES = [
+    ("sgd_momentum", 1, 0, 1),
+    ("adam", 1, 1, 1),
+    ("sgd_momentum", 2, 2, 1),
+    ("adam", 2, 0, 1),
+    ("sgd_momentum", 1, 1, 2),  # two steps per compiled call: still a sync after every step
+]
 
 
 def shard(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,10 +62,10 @@ def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
     return keras.optimizers.Adam(0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
 
 
-def linear_model(rank: int, optimizer: Any) -> keras.Model:
+def linear_model(rank: int, optimizer: Any, steps_per_execution: int = 1) -> keras.Model:
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(OUTPUTS)])
     model.set_weights(initial_weights(rank))  # every rank starts elsewhere: the callback must broadcast
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
     return model
 
 
@@ -73,9 +79,9 @@ def save(out: Path, name: str, info: dict[str, Any], arrays: list[np.ndarray] | 
 def callback(out: Path) -> None:
     tf_adasum.init()
     x, y = shard(tf_adasum.rank())
-    for i, (kind, sync_every, root) in enumerate(CASES):
+    for i, (kind, sync_every, root, steps_per_execution) in enumerate(CASES):
         user_optimizer = make_optimizer(kind)
-        model = linear_model(tf_adasum.rank(), user_optimizer)
+        model = linear_model(tf_adasum.rank(), user_optimizer, steps_per_execution)
         model.fit(
             x,
             y,

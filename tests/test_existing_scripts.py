@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests import oracle
 from tests.script_worker import BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
-from tests.test_training import Replica
+from tests.test_training import Replica, mse_grads, simulate_replicas
 
 WORKER = str(Path(__file__).with_name("script_worker.py"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,25 +72,15 @@ def load(out: Path, name: str, p: int) -> tuple[list[dict[str, Any]], list[list[
 
 def simulate_processes(kind: str, p: int, sync_every: int, root: int) -> list[np.ndarray]:
     """Each process: its own shard and optimizer state, from root's weights; every sync: the tree."""
-    anchor = [w.astype(np.float64) for w in initial_weights(root)]
-    params = [list(anchor) for _ in range(p)]
-    replicas = [Replica(kind, anchor) for _ in range(p)]
-    data = [[a.astype(np.float64) for a in shard(r)] for r in range(p)]
-    for step in range(ROWS_PER_RANK // BATCH):
-        for r in range(p):
-            x, y = (a[step * BATCH : (step + 1) * BATCH] for a in data[r])
-            err = x @ params[r][0] + params[r][1] - y
-            grads = [2 * x.T @ err / err.size, 2 * err.sum(0) / err.size]  # mean squared error
-            params[r] = replicas[r].step(params[r], grads, step + 1)
-        if (step + 1) % sync_every == 0:
-            deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
-            anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
-            params = [list(anchor) for _ in range(p)]
-    return anchor
+    batches = [
+        [tuple(a[s * BATCH : (s + 1) * BATCH] for a in shard(r)) for s in range(ROWS_PER_RANK // BATCH)]
+        for r in range(p)
+    ]
+    return simulate_replicas(kind, initial_weights(root), batches, sync_every)
 
 
 def check_callback_run(out: Path, p: int) -> None:
-    for i, (kind, sync_every, root) in enumerate(CASES):
+    for i, (kind, sync_every, root, _) in enumerate(CASES):
         infos, weights = load(out, f"callback_case{i}_", p)
         want = simulate_processes(kind, p, sync_every, root % p)
         for r in range(p):
@@ -113,7 +102,7 @@ def test_adasum_callback_on_three_processes_equals_the_simulation(launcher: str,
 
 def test_the_simulation_can_tell_root_and_sync_every_apart() -> None:
     # The oracle above is only a check if the cases it separates really end in different places.
-    ends = [simulate_processes(kind, 3, k, root)[0] for kind, k, root in CASES]
+    ends = [simulate_processes(kind, 3, k, root)[0] for kind, k, root, _ in CASES]
     for i in range(len(ends)):
         for j in range(i + 1, len(ends)):
             assert not np.allclose(ends[i], ends[j], atol=1e-3), (CASES[i], CASES[j])
@@ -142,8 +131,7 @@ def check_horovod_run(out: Path, p: int) -> None:
     for step in range(ROWS_PER_RANK // BATCH):
         x = np.concatenate([d[0][step * BATCH : (step + 1) * BATCH] for d in data])
         y = np.concatenate([d[1][step * BATCH : (step + 1) * BATCH] for d in data])
-        err = x @ params[0] + params[1] - y
-        params = sgd.step(params, [2 * x.T @ err / err.size, 2 * err.sum(0) / err.size], step + 1)
+        params = sgd.step(params, mse_grads(params, x, y), step + 1)
     for r in range(p):
         for got, want in zip(averaged[r], params, strict=True):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

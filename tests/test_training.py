@@ -57,25 +57,38 @@ class Replica:
         return out
 
 
-def simulate(kind: str, p: int, sync_every: int, steps: int, global_batch: int) -> list[np.ndarray]:
-    """Each replica: its shard, its own optimizer state; every sync: the contract tree over the deltas."""
-    x, y, w, b = problem()
-    anchor = [w.astype(np.float64), b.astype(np.float64)]
+def mse_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """Gradients of Keras's mean squared error for the linear model x @ w + b, in float64."""
+    err = x @ params[0] + params[1] - y
+    return [2 * x.T @ err / err.size, 2 * err.sum(0) / err.size]
+
+
+def simulate_replicas(
+    kind: str, start: list[np.ndarray], batches: list[list[tuple[np.ndarray, np.ndarray]]], sync_every: int
+) -> list[np.ndarray]:
+    """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas."""
+    anchor = [w.astype(np.float64) for w in start]
+    p = len(batches)
     params = [list(anchor) for _ in range(p)]
     replicas = [Replica(kind, anchor) for _ in range(p)]
-    local = global_batch // p
-    for step in range(steps):
+    for step in range(len(batches[0])):
         for r in range(p):
-            start = step * global_batch + r * local
-            xr, yr = x[start : start + local].astype(np.float64), y[start : start + local].astype(np.float64)
-            err = xr @ params[r][0] + params[r][1] - yr
-            grads = [2 * xr.T @ err / err.size, 2 * err.sum(0) / err.size]  # mean squared error
-            params[r] = replicas[r].step(params[r], grads, step + 1)
+            x, y = (a.astype(np.float64) for a in batches[r][step])
+            params[r] = replicas[r].step(params[r], mse_grads(params[r], x, y), step + 1)
         if (step + 1) % sync_every == 0:
             deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
             anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
             params = [list(anchor) for _ in range(p)]
     return anchor
+
+
+def simulate(kind: str, p: int, sync_every: int, steps: int, global_batch: int) -> list[np.ndarray]:
+    """The strategy's replicas: replica r takes the r-th contiguous share of every global batch."""
+    x, y, w, b = problem()
+    local = global_batch // p
+    starts = [[s * global_batch + r * local for s in range(steps)] for r in range(p)]
+    shares = [[(x[i : i + local], y[i : i + local]) for i in replica] for replica in starts]
+    return simulate_replicas(kind, [w, b], shares, sync_every)
 
 
 def build_linear(strategy: tf.distribute.Strategy, make_optimizer: Any) -> keras.Model:
