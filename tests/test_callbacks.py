@@ -198,3 +198,30 @@ def test_engine_detection_reads_horovodrun_and_the_launchers() -> None:
     assert distributed.detect_engine({"TF_ADASUM_ENGINE": "single", **gloo}) == "single"
     with pytest.raises(ValueError, match=r"TF_ADASUM_ENGINE='gloo'; expected one of"):
         distributed.detect_engine({"TF_ADASUM_ENGINE": "gloo"})
+
+
+def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            raise RuntimeError("interrupted")
+
+    from tf_adasum import optimizer as optimizer_module
+
+    traced_syncs: list[int] = []
+    real_sync = optimizer_module.sync_if_due
+
+    def counting_sync(*args: Any) -> None:  # runs when the train step is traced
+        traced_syncs.append(1)
+        real_sync(*args)
+
+    monkeypatch.setattr(optimizer_module, "sync_if_due", counting_sync)
+    x, y, _, _ = problem()
+    optimizer = make_inner("sgd_momentum")
+    model = build_linear(tf.distribute.get_strategy(), lambda: optimizer)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[tf_adasum.AdasumCallback(), Interrupt()])
+    assert "apply" in vars(optimizer)  # on_train_end never ran
+    after_a_failure = len(traced_syncs)
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
+    assert len(traced_syncs) - after_a_failure == after_a_failure  # one sync per step, not two
+    assert "apply" not in vars(optimizer)

@@ -139,6 +139,9 @@ def agree_at_epoch_end(model: keras.Model, epoch: int, batches: int) -> None:
 class _CountsBatches(keras.callbacks.Callback):
     """Counts the batches of the current epoch, for the epoch-end agreement."""
 
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        _epochs_agreed.pop(self.model, None)  # a new fit counts its epochs from its initial epoch again
+
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._batches = 0
 
@@ -198,8 +201,10 @@ class AdasumCallback(_CountsBatches):
         self._optimizer: keras.optimizers.Optimizer | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        # Imported here: optimizer.py imports this module for broadcast_variables.
         from tf_adasum.optimizer import WrappedOptimizer, sync_if_due
 
+        super().on_train_begin(logs)
         model, optimizer = self.model, self.model.optimizer
         if model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
             raise ValueError(
@@ -211,13 +216,15 @@ class AdasumCallback(_CountsBatches):
                 f"the model's optimizer is already a {type(optimizer).__name__}, which combines across "
                 "processes itself: use either it or AdasumCallback, not both"
             )
+        if getattr(vars(optimizer).get("apply"), "_tf_adasum_sync", False):
+            del optimizer.apply  # left by a fit that raised before on_train_end could restore it
         distributed.init()
         check_equal_steps(self.params)
         variables = list(model.trainable_variables)
         if not optimizer.built:
             optimizer.build(variables)
         # The weights as of the last sync, outside the optimizer so that it saves as the user's own.
-        # They get their values at the first batch (_start), after every callback's on_train_begin.
+        # They get their values at the first batch, after every callback's on_train_begin.
         self._anchors = [tf.Variable(_value(v), trainable=False, name="adasum_anchor") for v in variables]
         anchors, local_step = self._anchors, optimizer.apply
         every, distribution = self.sync_every, tf.distribute.get_strategy()
@@ -226,6 +233,7 @@ class AdasumCallback(_CountsBatches):
             local_step(grads, trainable_variables)
             sync_if_due(distribution, variables, anchors, optimizer.iterations, every)
 
+        apply_then_sync._tf_adasum_sync = True  # type: ignore[attr-defined]
         optimizer.apply = apply_then_sync
         self._optimizer = optimizer
         self._started = False
