@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +321,30 @@ def test_evaluate_and_predict_under_the_strategy() -> None:
     np.testing.assert_allclose(predictions, x @ w + b, rtol=1e-5, atol=1e-6)
     loss = model.evaluate(x, y, batch_size=8, verbose=0)
     assert loss == pytest.approx(float(np.mean((x @ w + b - y) ** 2)), rel=1e-5)
+
+
+def test_thirty_two_replicas_run_eight_epochs_and_predict_a_partial_batch(tmp_path: Path) -> None:
+    # Epoch boundaries used to stall for minutes at 32 replicas (see _compat.quiet_per_device_iterators).
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "replicas.json"
+    worker = Path(__file__).with_name("replicas_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        subprocess.run(
+            [sys.executable, str(worker), str(out), "32", "8"],
+            env=env,
+            capture_output=True,
+            timeout=240,
+            check=True,
+        )
+    except subprocess.TimeoutExpired:
+        progress = out.with_suffix(".progress")
+        done = progress.read_text() if progress.exists() else "0"
+        pytest.fail(f"32 replicas stalled: {done} of 8 epochs in 240 s")
+    result = json.loads(out.read_text())
+    assert result["epochs"] == 8, result
+    assert max(result["seconds"]) < 60, result  # the first epoch traces; none waits on tf.data threads
+    assert result["predict"] == {"rows": 2160, "error": None}

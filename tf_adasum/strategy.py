@@ -19,7 +19,7 @@ from typing import Any
 import tensorflow as tf
 from keras.src import optimizers as keras_optimizers
 
-from tf_adasum import distributed
+from tf_adasum import _compat, distributed
 from tf_adasum.callbacks import average_logs
 from tf_adasum.optimizer import AdasumOptimizer
 
@@ -72,6 +72,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                     f"({devices}); start one process per GPU (mpirun -np <GPUs>, or one TF_CONFIG task each)"
                 )
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self.sync_every = sync_every
         # Keras's compile() resolves its optimizer through this function.
         keras_optimizers.get = _get_optimizer
