@@ -348,3 +348,78 @@ def test_thirty_two_replicas_run_eight_epochs_and_predict_a_partial_batch(tmp_pa
     assert result["epochs"] == 8, result
     assert max(result["seconds"]) < 60, result  # the first epoch traces; none waits on tf.data threads
     assert result["predict"] == {"rows": 2160, "error": None}
+
+
+def _train(model: keras.Model, x: np.ndarray, y: np.ndarray, global_batch: int, **kwargs: Any) -> None:
+    model.fit(x, y, batch_size=global_batch, shuffle=False, verbose=0, **kwargs)
+
+
+def _replica_states(strategy: tf.distribute.Strategy, model: keras.Model) -> list[list[np.ndarray]]:
+    return [
+        [c.numpy() for c in strategy.experimental_local_results(v.value)]
+        for v in model.optimizer.inner.variables
+    ]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "save_weights", "backup_and_restore"])
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_resuming_equals_training_without_a_break(p: int, kind: str, how: str, tmp_path: Path) -> None:
+    # Each replica's optimizer state is its own and must come back to that replica; otherwise the
+    # resumed run drifts from the uninterrupted one.
+    x, y, _, _ = problem()
+    global_batch, k = 4 * p, 2
+    first, second = slice(0, k * global_batch), slice(k * global_batch, 2 * k * global_batch)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(p))
+    whole = build_linear(strategy, lambda: make_inner(kind))
+    _train(whole, x[: 2 * k * global_batch], y[: 2 * k * global_batch], global_batch)
+
+    before = build_linear(strategy, lambda: make_inner(kind))
+    after = build_linear(strategy, lambda: make_inner(kind))
+    if how == "backup_and_restore":
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=k)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            _train(before, x[: 2 * k * global_batch], y[: 2 * k * global_batch], global_batch,
+                   callbacks=[backup, StopAfter(k + 1)])  # fmt: skip
+        # Keras 3 reruns the interrupted epoch from its first batch: resume on the second half only.
+        _train(after, x[second], y[second], global_batch, callbacks=[backup])
+    else:
+        _train(before, x[first], y[first], global_batch)
+        states = _replica_states(strategy, before)
+        assert any(not np.array_equal(s[0], s[1]) for s in states), "replicas' states should differ"
+        if how == "checkpoint":  # into an optimizer not built yet: the restore waits for its variables
+            path = tf.train.Checkpoint(model=before, optimizer=before.optimizer).save(tmp_path / "ckpt")
+            tf.train.Checkpoint(model=after, optimizer=after.optimizer).restore(path)
+            with strategy.scope():
+                after.optimizer.build(after.trainable_variables)
+        else:
+            before.save_weights(tmp_path / "w.weights.h5")
+            with strategy.scope():
+                after.optimizer.build(after.trainable_variables)
+            after.load_weights(tmp_path / "w.weights.h5")
+        for restored, saved in zip(_replica_states(strategy, after), states, strict=True):
+            for a, b in zip(restored, saved, strict=True):
+                np.testing.assert_array_equal(a, b)  # each replica got its own state back
+        _train(after, x[second], y[second], global_batch)
+    for a, b in zip(after.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resuming_on_another_number_of_replicas_warns_and_starts_every_replica_from_replica_0(
+    tmp_path: Path,
+) -> None:
+    x, y, _, _ = problem()
+    two = tf_adasum.AdasumStrategy(devices=cpus(2))
+    before = build_linear(two, lambda: make_inner("sgd_momentum"))
+    _train(before, x[:16], y[:16], 8)
+    before.save_weights(tmp_path / "w.weights.h5")
+    replica_0 = [s[0] for s in _replica_states(two, before)]
+    three = tf_adasum.AdasumStrategy(devices=cpus(3))
+    after = build_linear(three, lambda: make_inner("sgd_momentum"))
+    with three.scope():
+        after.optimizer.build(after.trainable_variables)
+    with pytest.warns(UserWarning, match="state of 2 replicas but this strategy has 3"):
+        after.load_weights(tmp_path / "w.weights.h5")
+    for restored, first in zip(_replica_states(three, after), replica_0, strict=True):
+        for component in restored:
+            np.testing.assert_array_equal(component, first)

@@ -17,9 +17,12 @@ replica's batch.
 
 from __future__ import annotations
 
+import io
+import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_adasum import agreement, distributed
@@ -156,6 +159,72 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
+def _components(variable: Any) -> tuple[Any, ...]:
+    """Every local replica's copy of a variable (one for a plain variable)."""
+    value = _tf_variable(variable)
+    return tuple(getattr(value, "values", (value,)))
+
+
+class ReplicaState:
+    """Every local replica's copy of the inner optimizer's state, for checkpoints.
+
+    Under a strategy with several local replicas, each replica steps with its own optimizer state
+    (momentum, Adam moments), kept in the components of mirrored variables. Keras and tf.train.Checkpoint
+    save a mirrored variable's first component and restore it to all, which would give every replica
+    replica 0's state on resume. This object saves them all, stacked, and puts each back where it was.
+    Restored into a different number of replicas, every replica keeps replica 0's state, with a warning.
+    """
+
+    def __init__(self, optimizer: AdasumOptimizer) -> None:
+        self.optimizer = optimizer
+        self.pending: list[np.ndarray] | None = None
+
+    def gather(self) -> list[np.ndarray]:
+        return [np.stack([c.numpy() for c in _components(v)]) for v in self.optimizer.inner.variables]
+
+    def spread(self, stacked: list[np.ndarray]) -> None:
+        """Puts each replica's saved state back; before the optimizer is built, once it is."""
+        inner = self.optimizer.inner
+        if not inner.built:  # tf.train.Checkpoint restores into optimizers that are built later
+            self.pending = stacked
+            return
+        variables = inner.variables
+        if len(stacked) != len(variables):
+            warnings.warn(
+                f"the checkpoint holds {len(stacked)} per-replica optimizer variables but {inner.name!r} "
+                f"has {len(variables)}; every replica keeps the restored values",
+                stacklevel=2,
+            )
+            return
+        for variable, values in zip(variables, stacked, strict=True):
+            components = _components(variable)
+            if len(values) != len(components):
+                warnings.warn(
+                    f"the checkpoint holds the optimizer state of {len(values)} replicas but this strategy "
+                    f"has {len(components)}: every replica starts from replica 0's state",
+                    stacklevel=2,
+                )
+                return
+            for component, value in zip(components, values, strict=True):
+                component.assign(value)
+
+
+class _ReplicaStateCheckpoint(tf.train.experimental.PythonState):
+    """ReplicaState for tf.train.Checkpoint: one string of all replicas' state."""
+
+    def __init__(self, state: ReplicaState) -> None:
+        self._state = state
+
+    def serialize(self) -> bytes:
+        buffer = io.BytesIO()
+        np.savez(buffer, *self._state.gather())
+        return buffer.getvalue()
+
+    def deserialize(self, string_value: bytes) -> None:
+        with np.load(io.BytesIO(string_value)) as arrays:
+            self._state.spread([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
+
+
 @keras.saving.register_keras_serializable(package="tf_adasum")
 class AdasumOptimizer(WrappedOptimizer):
     """Wraps a Keras optimizer so that replicas step locally and their deltas are combined with Adasum.
@@ -194,6 +263,9 @@ class AdasumOptimizer(WrappedOptimizer):
         self.compression = _check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
         inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+        self._replica_state = ReplicaState(self)
+        # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
+        self.replica_state = _ReplicaStateCheckpoint(self._replica_state)
 
     def build(self, var_list: list[Any]) -> None:
         current = tf.distribute.get_strategy()
@@ -208,7 +280,10 @@ class AdasumOptimizer(WrappedOptimizer):
         # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
         # broadcast callback arrange; otherwise each would keep its own random initialisation.
         broadcast_variables(var_list, self.root)
-        self.inner.build(var_list)
+        self.inner.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
+        if self._replica_state.pending is not None:
+            stacked, self._replica_state.pending = self._replica_state.pending, None
+            self._replica_state.spread(stacked)
         # The weights as of the last sync; deltas are measured from here.
         self._anchors = [
             self.add_variable_from_reference(v, name="adasum_anchor", initializer=_value_of(v))
@@ -237,6 +312,32 @@ class AdasumOptimizer(WrappedOptimizer):
             sync_if_due,
             args=(variables, anchors, self.inner.iterations, self.sync_every, self.compression),
         )
+
+    _REPLICA_KEY = "replicas_of_inner_"
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)
+        for i, stacked in enumerate(self._replica_state.gather()):
+            store[f"{self._REPLICA_KEY}{i}"] = stacked
+
+    def load_own_variables(self, store: Any) -> None:
+        keys = list(store.keys())
+        own = {k: store[k] for k in keys if not k.startswith(self._REPLICA_KEY)}
+        count = len(keys) - len(own)
+        super().load_own_variables(own)
+        if not count:
+            return
+        stacked = [np.asarray(store[f"{self._REPLICA_KEY}{i}"]) for i in range(count)]
+        # Keras loads this optimizer's variables before those of its child, the inner optimizer, which
+        # would then put its first replica's values into every replica: spread them after that load.
+        inner, load_inner = self.inner, type(self.inner).load_own_variables
+
+        def load_then_spread(inner_store: Any) -> None:
+            del inner.load_own_variables
+            load_inner(inner, inner_store)
+            self._replica_state.spread(stacked)
+
+        inner.load_own_variables = load_then_spread
 
     def get_config(self) -> dict[str, Any]:
         return {
