@@ -212,3 +212,46 @@ def test_segment_bounds_are_checked() -> None:
         (ValueError, tf.errors.InvalidArgumentError), match=r"a has shape|must be 1-D of one length"
     ):
         ops.adasum_segment_dot_norms(x, tf.ones(9), [0, 10])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_combine_is_computed_in_float64_and_rounded_once(dtype: str, run: Callable[..., Any]) -> None:
+    # Given the kernel's own (a.b, |a|^2, |b|^2), the float64 formula rounded once to the dtype is
+    # exact, element for element: a combine done in float32 arithmetic would not be (checked below).
+    rng = np.random.default_rng(11)
+    a_np, b_np = [normal(rng, 4099), normal(rng, 7, 9)], [normal(rng, 4099) * 3, normal(rng, 7, 9)]
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    dot_norms = run(ops.adasum_dot_norms, a, b)
+    got = run(ops.adasum_combine, a, b, dot_norms)
+    numpy_dtype = np.dtype(dtype)
+    for g, x, y, (dot, a_sq, b_sq) in zip(got, _to_np(a), _to_np(b), dot_norms.numpy(), strict=True):
+        ca, cb = oracle.coefficients(dot, a_sq, b_sq)
+        want = (ca * x + cb * y).astype(numpy_dtype)
+        np.testing.assert_array_equal(g.numpy(), want)
+        if dtype == "float32":  # the check can tell: float32 arithmetic misses in many elements
+            in_float32 = np.float32(ca) * x.astype(np.float32) + np.float32(cb) * y.astype(np.float32)
+            assert np.mean(in_float32 != want) > 0.05
+
+
+def test_results_are_bitwise_the_same_with_one_or_four_threads(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np, tensorflow as tf\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))\n"
+        "from tf_adasum import ops\n"
+        "rng = np.random.default_rng(5)\n"
+        "a = [tf.constant(rng.standard_normal(n), tf.float32) for n in (2**21, 999)]\n"
+        "b = [tf.constant(rng.standard_normal(n), tf.float32) for n in (2**21, 999)]\n"
+        "dn = ops.adasum_dot_norms(a, b)\n"
+        "out = ops.adasum_pair(a, b)\n"
+        "np.savez(sys.argv[2], dn.numpy(), *[t.numpy() for t in out])\n"
+    )
+    results = []
+    for threads in (1, 4):
+        path = tmp_path / f"threads{threads}.npz"
+        subprocess.run([sys.executable, "-c", script, str(threads), str(path)], check=True, timeout=120)
+        results.append(list(np.load(path).values()))
+    for one, four in zip(*results, strict=True):
+        np.testing.assert_array_equal(one, four)

@@ -423,3 +423,31 @@ def test_resuming_on_another_number_of_replicas_warns_and_starts_every_replica_f
     for restored, first in zip(_replica_states(three, after), replica_0, strict=True):
         for component in restored:
             np.testing.assert_array_equal(component, first)
+
+
+class WithAnUnusedWeight(keras.layers.Layer):
+    """A Dense layer that also owns a weight its output never uses: its gradient is None."""
+
+    def build(self, input_shape: Any) -> None:
+        self.kernel = self.add_weight(shape=(input_shape[-1], 2), initializer="ones")
+        self.unused = self.add_weight(shape=(4,), initializer="ones")
+
+    def call(self, x: Any) -> Any:
+        return keras.ops.matmul(x, self.kernel)
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
+def test_a_variable_without_a_gradient_stays_put(kind: str) -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), WithAnUnusedWeight()])
+        model.compile(optimizer=make_inner(kind), loss="mse")
+    with pytest.warns(UserWarning, match="Gradients do not exist"):  # Keras's own word for it
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    kernel, unused = model.get_weights()
+    np.testing.assert_array_equal(unused, np.ones(4))
+    assert not np.allclose(kernel, 1.0)  # the used weight trained
+    for components in replica_values(strategy, model):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])
