@@ -122,6 +122,8 @@ def strategy_fit(out: Path) -> None:
     x, y, _, _ = problem()
     strategy = tf_adasum.AdasumStrategy(sync_every=2)
     model = build_linear(strategy, lambda: make_inner("adam"))
+    # Every rank starts elsewhere: the strategy must start all from rank 0's weights.
+    model.set_weights([w + comm.rank for w in model.get_weights()])
     # The same global batches everywhere: the strategy hands each process its share.
     history = model.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False, verbose=0)
     evaluated = model.evaluate(x[:32], y[:32], batch_size=8, verbose=0)

@@ -82,18 +82,35 @@ def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: P
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])
 def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
-    from tests.test_training import simulate
+    from tests.test_training import problem, simulate
 
     code = launch(engine, 2, tmp_path, "strategy")
     assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
     weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(2)]
     infos = [json.loads((tmp_path / f"strategy{r}.json").read_text()) for r in range(2)]
-    want = simulate("adam", 2, 2, 4, 8)  # two processes behave as two replicas of one strategy
+    losses: list[float] = []
+    # Two processes behave as two replicas of one strategy, both from rank 0's weights.
+    want = simulate("adam", 2, 2, 4, 8, losses)
     for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
         np.testing.assert_array_equal(got, theirs)
         np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
     assert infos[0] == infos[1], infos  # logs averaged over processes: the same on both
+    # ... and they are the global values: the epoch's loss is the mean over every step of both
+    # processes, and evaluate's the mean over all 32 rows with the final weights.
+    assert infos[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    x, y, _, _ = problem()
+    squared = (x[:32].astype(np.float64) @ want[0] + want[1] - y[:32]) ** 2
+    assert infos[0]["evaluate"] == pytest.approx(float(np.mean(squared)), rel=1e-5)
+
     bn = [list(np.load(tmp_path / f"batchnorm{r}.npz").values()) for r in range(2)]
     assert len(bn[0]) == 6  # gamma, beta, moving mean, moving variance, kernel, bias
     for mine, theirs in zip(*bn, strict=True):
         np.testing.assert_array_equal(mine, theirs)
+    # The moving statistics: every step, each process's batch moments, averaged over processes.
+    mean, variance = np.zeros(3), np.ones(3)
+    for step in range(4):
+        rows = [x[step * 8 + r * 4 : step * 8 + r * 4 + 4].astype(np.float64) * (1 + r) for r in range(2)]
+        mean = 0.99 * mean + 0.01 * np.mean([b.mean(0) for b in rows], axis=0)
+        variance = 0.99 * variance + 0.01 * np.mean([b.var(0) for b in rows], axis=0)
+    np.testing.assert_allclose(bn[0][2], mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(bn[0][3], variance, rtol=1e-5, atol=1e-7)

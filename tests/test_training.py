@@ -65,9 +65,16 @@ def mse_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np
 
 
 def simulate_replicas(
-    kind: str, start: list[np.ndarray], batches: list[list[tuple[np.ndarray, np.ndarray]]], sync_every: int
+    kind: str,
+    start: list[np.ndarray],
+    batches: list[list[tuple[np.ndarray, np.ndarray]]],
+    sync_every: int,
+    losses: list[float] | None = None,
 ) -> list[np.ndarray]:
-    """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas."""
+    """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas.
+
+    Each replica's loss before each of its steps is appended to `losses`, when given.
+    """
     anchor = [w.astype(np.float64) for w in start]
     p = len(batches)
     params = [list(anchor) for _ in range(p)]
@@ -75,6 +82,8 @@ def simulate_replicas(
     for step in range(len(batches[0])):
         for r in range(p):
             x, y = (a.astype(np.float64) for a in batches[r][step])
+            if losses is not None:
+                losses.append(float(np.mean((x @ params[r][0] + params[r][1] - y) ** 2)))
             params[r] = replicas[r].step(params[r], mse_grads(params[r], x, y), step + 1)
         if (step + 1) % sync_every == 0:
             deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
@@ -83,13 +92,15 @@ def simulate_replicas(
     return anchor
 
 
-def simulate(kind: str, p: int, sync_every: int, steps: int, global_batch: int) -> list[np.ndarray]:
+def simulate(
+    kind: str, p: int, sync_every: int, steps: int, global_batch: int, losses: list[float] | None = None
+) -> list[np.ndarray]:
     """The strategy's replicas: replica r takes the r-th contiguous share of every global batch."""
     x, y, w, b = problem()
     local = global_batch // p
     starts = [[s * global_batch + r * local for s in range(steps)] for r in range(p)]
     shares = [[(x[i : i + local], y[i : i + local]) for i in replica] for replica in starts]
-    return simulate_replicas(kind, [w, b], shares, sync_every)
+    return simulate_replicas(kind, [w, b], shares, sync_every, losses)
 
 
 def build_linear(strategy: tf.distribute.Strategy, make_optimizer: Any) -> keras.Model:
