@@ -6,6 +6,7 @@ Usage:
     worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
     worker.py OUT_DIR fit       # model.fit with AdasumOptimizer, no strategy, one replica per process
     worker.py OUT_DIR strategy  # model.fit under AdasumStrategy, every process given the same data
+    worker.py OUT_DIR resume    # AdasumStrategy: k steps, save, restore, k more, against 2k at once
 
 Each rank's data comes from rank_tensors(rank), which the test also uses to build the oracle.
 """
@@ -141,6 +142,55 @@ def strategy_fit(out: Path) -> None:
     np.savez(out / f"batchnorm{comm.rank}.npz", *bn.get_weights())
 
 
+def resume(out: Path) -> None:
+    """k steps, a checkpoint of this process's own state, a fresh model, k more: as 2k steps at once."""
+    import keras
+    import tensorflow as tf
+
+    from tests.test_training import StopAfter, build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy()
+    results = {}
+    for kind in ("sgd_momentum", "adam"):
+        whole = build_linear(strategy, lambda kind=kind: make_inner(kind))
+        whole.fit(x[:32], y[:32], batch_size=8, shuffle=False, verbose=0)
+        for how in ("checkpoint", "save_weights", "backup_and_restore"):
+            before = build_linear(strategy, lambda kind=kind: make_inner(kind))
+            after = build_linear(strategy, lambda kind=kind: make_inner(kind))
+            path = out / f"{kind}_{how}_rank{comm.rank}"  # every process saves its own state
+            if how == "backup_and_restore":
+                backup = keras.callbacks.BackupAndRestore(str(path), save_freq=2)
+                try:
+                    before.fit(
+                        x[:32],
+                        y[:32],
+                        batch_size=8,
+                        shuffle=False,
+                        verbose=0,
+                        callbacks=[backup, StopAfter(3)],
+                    )
+                except RuntimeError:
+                    pass
+                after.fit(x[16:32], y[16:32], batch_size=8, shuffle=False, verbose=0, callbacks=[backup])
+            else:
+                before.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0)
+                with strategy.scope():
+                    after.optimizer.build(after.trainable_variables)
+                if how == "checkpoint":
+                    saved = tf.train.Checkpoint(model=before, optimizer=before.optimizer).save(path)
+                    tf.train.Checkpoint(model=after, optimizer=after.optimizer).restore(saved)
+                else:
+                    before.save_weights(f"{path}.weights.h5")
+                    after.load_weights(f"{path}.weights.h5")
+                after.fit(x[16:32], y[16:32], batch_size=8, shuffle=False, verbose=0)
+            results[f"{kind}_{how}"] = all(
+                np.array_equal(a, b) for a, b in zip(after.get_weights(), whole.get_weights(), strict=True)
+            )
+    (out / f"resume{comm.rank}.json").write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
     mode, out_dir = sys.argv[2], Path(sys.argv[1])
     if mode == "checks":
@@ -149,5 +199,7 @@ if __name__ == "__main__":
         fit(out_dir)
     elif mode == "strategy":
         strategy_fit(out_dir)
+    elif mode == "resume":
+        resume(out_dir)
     else:
         missing_peer(out_dir, exits=mode == "dead")

@@ -114,3 +114,12 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
         variance = 0.99 * variance + 0.01 * np.mean([b.var(0) for b in rows], axis=0)
     np.testing.assert_allclose(bn[0][2], mean, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(bn[0][3], variance, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ["mpi", "tf"])
+def test_resuming_across_processes_equals_training_without_a_break(engine: str, tmp_path: Path) -> None:
+    code = launch(engine, 2, tmp_path, "resume")
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    for r in range(2):
+        results = json.loads((tmp_path / f"resume{r}.json").read_text())
+        assert len(results) == 6 and all(results.values()), results
