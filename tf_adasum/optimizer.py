@@ -196,16 +196,16 @@ class ReplicaState:
                 stacklevel=2,
             )
             return
+        saved, here = len(stacked[0]) if stacked else 0, len(_components(variables[0])) if variables else 0
+        if saved != here:
+            warnings.warn(
+                f"the checkpoint holds the optimizer state of {saved} replicas but this strategy has {here}: "
+                "every replica starts from replica 0's state",
+                stacklevel=2,
+            )
+            return
         for variable, values in zip(variables, stacked, strict=True):
-            components = _components(variable)
-            if len(values) != len(components):
-                warnings.warn(
-                    f"the checkpoint holds the optimizer state of {len(values)} replicas but this strategy "
-                    f"has {len(components)}: every replica starts from replica 0's state",
-                    stacklevel=2,
-                )
-                return
-            for component, value in zip(components, values, strict=True):
+            for component, value in zip(_components(variable), values, strict=True):
                 component.assign(value)
 
 
