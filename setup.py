@@ -53,7 +53,7 @@ def tensorflow_build_info() -> tuple[str, list[str], list[str]]:
 
 
 class BuildAdasumOps(build_ext):
-    """Compiles the ops with g++ and TensorFlow's own flags instead of distutils' defaults."""
+    """Compiles the ops with $CXX (default g++) and TensorFlow's own flags instead of distutils' defaults."""
 
     def get_ext_filename(self, fullname: str) -> str:
         # A plain `_adasum_ops.so`, without the interpreter tag: the library depends on TensorFlow's
@@ -68,6 +68,7 @@ class BuildAdasumOps(build_ext):
         build_dir.mkdir(exist_ok=True)
         log_path = build_dir / "adasum_build.log"
         arch = shlex.split(os.environ.get("TF_ADASUM_ARCH_FLAGS", "-march=native"))
+        compiler = shlex.split(os.environ.get("CXX") or "g++")
         # TensorFlow's own headers trip these two warnings by the hundred.
         quiet = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
         # No FMA contraction: fma(ca, a, cb * b) would differ from fma(cb, b, ca * a), and Adasum must be
@@ -87,7 +88,7 @@ class BuildAdasumOps(build_ext):
             # The two translation units compile in parallel; the TensorFlow one dominates.
             compiles = [
                 subprocess.Popen(
-                    ["g++", *common, "-c", str(ROOT / src), "-o", str(obj)],
+                    [*compiler, *common, "-c", str(ROOT / src), "-o", str(obj)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
@@ -95,7 +96,7 @@ class BuildAdasumOps(build_ext):
             ]
             failed = [p.args for p in compiles if p.wait() != 0]
             if not failed:
-                link = ["g++", "-shared", *map(str, objects), "-o", str(output), *lflags]
+                link = [*compiler, "-shared", *map(str, objects), "-o", str(output), *lflags]
                 log.write(" ".join(link) + "\n")
                 log.flush()
                 if subprocess.run(link, stdout=log, stderr=subprocess.STDOUT, check=False).returncode != 0:

@@ -281,6 +281,9 @@ def test_bad_use_gives_clear_errors() -> None:
         tf_adasum.AdasumOptimizer("adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sync_every must be a positive integer, got 0"):
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), sync_every=0)
+    for make in (tf_adasum.AdasumStrategy, tf_adasum.AdasumCallback):  # one check for all three
+        with pytest.raises(ValueError, match="sync_every must be a positive integer, got True"):
+            make(sync_every=True)
     with pytest.raises(ValueError, match="already an AdasumOptimizer"):
         tf_adasum.AdasumOptimizer(tf_adasum.AdasumOptimizer(keras.optimizers.SGD()))
 

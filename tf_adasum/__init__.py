@@ -1,5 +1,7 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3."""
 
+import importlib.metadata
+
 from tf_adasum import _compat, callbacks, ops
 from tf_adasum.callbacks import AdasumCallback
 from tf_adasum.comm.base import NonFiniteUpdateError, PeerError, UnevenDataError
@@ -52,7 +54,7 @@ __all__ = [
     "shutdown",
     "size",
 ]
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproject.toml
 
 _compat.install_error_translation()
 # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script

@@ -191,9 +191,10 @@ class AdasumCallback(_CountsBatches):
     """
 
     def __init__(self, sync_every: int = 1, root: int = 0) -> None:
+        from tf_adasum.optimizer import check_sync_every  # optimizer.py imports this module
+
         super().__init__()
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        check_sync_every(sync_every)
         if not isinstance(root, int) or root < 0:
             raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
         self.sync_every = sync_every

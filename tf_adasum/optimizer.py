@@ -47,6 +47,13 @@ def _dense(gradient: Any) -> Any:
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
+def check_sync_every(sync_every: Any) -> int:
+    """The one check of `sync_every` for AdasumOptimizer, AdasumStrategy and AdasumCallback."""
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+    return sync_every
+
+
 def _check_compression(compression: str) -> str:
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
@@ -255,10 +262,8 @@ class AdasumOptimizer(WrappedOptimizer):
     ) -> None:
         if isinstance(inner, AdasumOptimizer):
             raise ValueError("the inner optimizer is already an AdasumOptimizer")
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
         super().__init__(inner, name=name or f"adasum_{getattr(inner, 'name', 'optimizer')}")
-        self.sync_every = sync_every
+        self.sync_every = check_sync_every(sync_every)
         self.root = root
         self.compression = _check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.

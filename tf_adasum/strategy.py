@@ -21,7 +21,7 @@ from keras.src import optimizers as keras_optimizers
 
 from tf_adasum import _compat, distributed
 from tf_adasum.callbacks import average_logs
-from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.optimizer import AdasumOptimizer, check_sync_every
 
 _keras_get_optimizer = keras_optimizers.get
 
@@ -57,8 +57,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         sync_every: int = 1,
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
     ) -> None:
-        if not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        check_sync_every(sync_every)
         # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
         self.comm = distributed.init()
         if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
