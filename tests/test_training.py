@@ -465,3 +465,13 @@ def test_a_variable_without_a_gradient_stays_put(kind: str) -> None:
     for components in replica_values(strategy, model):
         for c in components[1:]:
             np.testing.assert_array_equal(c, components[0])
+
+
+def test_a_train_step_without_adasum_under_the_strategy_is_refused() -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    with strategy.scope():
+        model.optimizer = make_inner("sgd_momentum")  # replaced after compile: nothing wraps it
+    with pytest.raises(ValueError, match="AdasumStrategy is training with SGD, not an AdasumOptimizer"):
+        model.fit(x, y, batch_size=8, verbose=0)

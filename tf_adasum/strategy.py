@@ -109,13 +109,17 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         return tf.cast(total, local.dtype)
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
-        # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop everywhere.
-        # After a train step, the model's non-trained state (BatchNorm moving statistics) is averaged
-        # over processes, as MirroredStrategy averages it over replicas.
-        if self.comm.size > 1 and _is_keras_train_or_test_step(fn):
+        if not _is_keras_train_or_test_step(fn):
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        model = getattr(fn, "python_function", fn).__self__
+        trains = getattr(fn, "python_function", fn).__name__ == "train_step"
+        if trains:
+            _check_adasum_optimizer(model.optimizer)
+        if self.comm.size > 1:
+            # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop
+            # everywhere. After a train step, the model's non-trained state (BatchNorm moving statistics)
+            # is averaged over processes, as MirroredStrategy averages it over replicas.
             step = fn
-            model = getattr(fn, "python_function", fn).__self__
-            trains = getattr(fn, "python_function", fn).__name__ == "train_step"
 
             def step_with_global_logs(*a: Any, **k: Any) -> Any:
                 logs = step(*a, **k)
@@ -125,6 +129,19 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
 
             fn = step_with_global_logs
         return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+
+def _check_adasum_optimizer(optimizer: Any) -> None:
+    """Refuses a train step that would silently average gradients instead of combining with Adasum."""
+    # Mixed precision wraps it once more: LossScaleOptimizer(AdasumOptimizer(...)).
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(inner, AdasumOptimizer):
+        raise ValueError(
+            f"AdasumStrategy is training with {type(inner).__name__}, not an AdasumOptimizer, which would "
+            "average the replicas' gradients as MirroredStrategy does: compile the model inside "
+            "strategy.scope() with a plain Keras optimizer (it is wrapped for you), or pass "
+            "tf_adasum.AdasumOptimizer(your_optimizer)"
+        )
 
 
 def _local_device(comm: Any) -> str:
