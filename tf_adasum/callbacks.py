@@ -36,12 +36,13 @@ def broadcast_variables(variables: Sequence[Any], root: int) -> None:
         return
     if not 0 <= root < comm.size:
         raise ValueError(f"root rank {root} is not a rank of this job of {comm.size} processes")
-    values = distributed.broadcast([_value(v) for v in variables], root=root)
+    values = distributed.broadcast([tf_variable(v) for v in variables], root=root)
     for variable, value in zip(variables, values, strict=True):
         variable.assign(value)
 
 
-def _value(variable: Any) -> Any:
+def tf_variable(variable: Any) -> Any:
+    """The TensorFlow (possibly distributed) variable behind a Keras variable."""
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
@@ -226,7 +227,9 @@ class AdasumCallback(_CountsBatches):
             optimizer.build(variables)
         # The weights as of the last sync, outside the optimizer so that it saves as the user's own.
         # They get their values at the first batch, after every callback's on_train_begin.
-        self._anchors = [tf.Variable(_value(v), trainable=False, name="adasum_anchor") for v in variables]
+        self._anchors = [
+            tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
+        ]
         anchors, local_step = self._anchors, optimizer.apply
         every, distribution = self.sync_every, tf.distribute.get_strategy()
 
@@ -246,7 +249,7 @@ class AdasumCallback(_CountsBatches):
             # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
             broadcast_model_and_optimizer(self.model, self.root)
             for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
-                anchor.assign(_value(variable))
+                anchor.assign(tf_variable(variable))
             self._started = True
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -26,20 +26,15 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import agreement, distributed
-from tf_adasum.callbacks import broadcast_variables
+from tf_adasum.callbacks import broadcast_variables, tf_variable
 from tf_adasum.tree import adasum_tree
 
 COMPRESSIONS = ("none", "fp16")
 
 
-def _tf_variable(variable: Any) -> Any:
-    """The TensorFlow (possibly distributed) variable behind a Keras variable."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
 def _local_values(distribution: tf.distribute.Strategy, variable: Any) -> list[Any]:
     """The per-replica components of a variable on this process (one for a plain variable)."""
-    return list(distribution.experimental_local_results(_tf_variable(variable)))
+    return list(distribution.experimental_local_results(tf_variable(variable)))
 
 
 def _dense(gradient: Any) -> Any:
@@ -96,7 +91,7 @@ def sync_deltas(
         synced = anchor_value + d
         for target in (variable, anchor):
             distribution.extended.update(
-                _tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
+                tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
             )
     return tf.constant(True)
 
@@ -168,7 +163,7 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
 
 def _components(variable: Any) -> tuple[Any, ...]:
     """Every local replica's copy of a variable (one for a plain variable)."""
-    value = _tf_variable(variable)
+    value = tf_variable(variable)
     return tuple(getattr(value, "values", (value,)))
 
 
@@ -417,6 +412,6 @@ def _value_of(variable: Any) -> Any:
     """An initializer that copies the variable's current value."""
 
     def initializer(shape: Any, dtype: Any) -> Any:
-        return tf.cast(tf.identity(_tf_variable(variable)), dtype)
+        return tf.cast(tf.identity(tf_variable(variable)), dtype)
 
     return initializer

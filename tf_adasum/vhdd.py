@@ -173,16 +173,16 @@ def vhdd_allreduce(
 
     out: list[tf.Tensor | None] = [None] * len(tensors)
     for index, buffer, starts, pads in groups:
-        with tf.control_dependencies([checked]):
-            buffer = tf.identity(buffer)
+        if not tf.executing_eagerly():  # eagerly, agree() has already raised or passed
+            with tf.control_dependencies([checked]):
+                buffer = tf.identity(buffer)
         combined = vhdd_fused(comm, buffer, starts)
         # One split at aligned boundaries (views, not copies); the padding pieces are dropped.
         lengths: list[int] = []
         keep: list[int] = []
-        for i, pad in zip(index, pads, strict=True):
+        for start, end, pad in zip(starts[:-1], starts[1:], pads, strict=True):
             keep.append(len(lengths))
-            size = int(np.prod(tensors[i].shape.as_list()))
-            lengths += [size, pad] if pad else [size]
+            lengths += [end - start - pad, pad] if pad else [end - start]
         pieces = tf.split(combined, lengths)
         for i, k in zip(index, keep, strict=True):
             out[i] = tf.reshape(pieces[k], tensors[i].shape)
