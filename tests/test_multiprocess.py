@@ -43,9 +43,9 @@ def test_allreduce_across_processes(engine: str, p: int, tmp_path: Path) -> None
         assert results[r]["scalar_sum"].shape == () and results[r]["scalar_sum"] == 2.5 * p
         np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
         assert infos[r]["engine"] == engine and infos[r]["size"] == p
-        assert (
-            "tensor 0 of 2 has shape [4, 6] and dtype float32 on rank 1 but shape [4, 5]"
-            in infos[r]["mismatch"]
+        assert infos[r]["mismatch"] == (
+            "allreduce(op=Adasum): tensor 0 of 2 has shape [4, 6] and dtype float32 on rank 1 "
+            "but shape [4, 5] and dtype float32 on rank 0"
         )
     assert sorted(info["local_rank"] for info in infos) == list(range(p))
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
+from tf_adasum.tree import first_mismatch, tensor_specs
 
 SHAPES = [(3, 5), (0,), (1031,), (1,), (2, 0, 3)]
 RTOL = {"float32": 1e-5, "float64": 1e-10}
@@ -101,7 +102,26 @@ def test_tree_errors_name_the_replica_and_tensor() -> None:
         tf_adasum.adasum_tree([])
     with pytest.raises(ValueError, match="replica 2 has 1 tensors but replica 0 has 2"):
         tf_adasum.adasum_tree([[tf.ones(2), tf.ones(3)], [tf.ones(2), tf.ones(3)], [tf.ones(2)]])
-    with pytest.raises(ValueError, match=r"tensor 1 of 2 has shape \[4\] and dtype float32 on replica 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 1 of 2 has shape \[4\] and dtype float32 on replica 1 but shape \[3\] and dtype "
+        r"float32 on replica 0",
+    ):
         tf_adasum.adasum_tree([[tf.ones(2), tf.ones(3)], [tf.ones(2), tf.ones(4)]])
+    with pytest.raises(ValueError, match=r"tensor 0 of 1 has shape \[2\] and dtype float64 on replica 2"):
+        tf_adasum.adasum_tree([[tf.ones(2)], [tf.ones(2)], [tf.ones(2, tf.float64)]])
     with pytest.raises(TypeError, match="tensor 0 of 1 has dtype int32"):
         tf_adasum.adasum_tree([[tf.ones(2, tf.int32)], [tf.ones(2, tf.int32)]])
+
+
+def test_a_mismatch_names_the_tensor_and_what_rank_0_has() -> None:
+    expected = tensor_specs([tf.ones([4, 5]), tf.ones([2])])
+    got = tensor_specs([tf.ones([4, 6]), tf.ones([2])])
+    assert first_mismatch([expected, expected, got], "rank", ["dense/kernel", "dense/bias"]) == (
+        "tensor 0 of 2 (dense/kernel) has shape [4, 6] and dtype float32 on rank 2 "
+        "but shape [4, 5] and dtype float32 on rank 0"
+    )
+    assert first_mismatch([expected, got[:1]], "rank") == "rank 1 has 1 tensors but rank 0 has 2"
+    assert first_mismatch([expected, list(expected), expected], "rank") is None
+    assert first_mismatch([expected], "replica") is None
+

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tf_adasum import ops
 from tf_adasum.comm.base import ERRORS, Communicator, PeerError, SingleProcessCommunicator, timeout_seconds
+from tf_adasum.tree import first_mismatch, tensor_specs
 from tf_adasum.vhdd import tree_blocks, vhdd_allreduce
 
 ENGINES = ("mpi", "tf", "single")
@@ -143,28 +144,17 @@ def cross_size() -> int:
     return init().cross_size
 
 
-def _describe(tensors: list[tf.Tensor]) -> list[tuple[list[int | None], str]]:
-    return [(t.shape.as_list(), t.dtype.name) for t in tensors]
-
-
-def check_same_on_all_ranks(comm: Communicator, tensors: list[tf.Tensor], what: str) -> None:
+def check_same_on_all_ranks(
+    comm: Communicator, tensors: list[tf.Tensor], what: str, names: Sequence[str] | None = None
+) -> None:
     """Raises ValueError on every rank if some rank's tensors differ in count, shape or dtype from rank 0's.
 
     Runs before any data moves. Inside tf.function it runs once, when the function is traced.
     """
-    everyone = comm.allgather_object(_describe(tensors), f"{what} metadata check")
-    reference = everyone[0]
-    for r, described in enumerate(everyone[1:], start=1):
-        if len(described) != len(reference):
-            raise ValueError(
-                f"{what}: rank {r} passed {len(described)} tensors but rank 0 passed {len(reference)}"
-            )
-        for i, (mine, theirs) in enumerate(zip(described, reference, strict=True)):
-            if mine != theirs:
-                raise ValueError(
-                    f"{what}: tensor {i} of {len(reference)} has shape {mine[0]} and dtype {mine[1]} "
-                    f"on rank {r} but shape {theirs[0]} and dtype {theirs[1]} on rank 0"
-                )
+    everyone = comm.allgather_object(tensor_specs(tensors), f"{what} metadata check")
+    mismatch = first_mismatch(everyone, "rank", names)
+    if mismatch is not None:
+        raise ValueError(f"{what}: {mismatch}")
 
 
 # Library code runs as plain Python inside a tf.function: its branches depend only on static facts.
@@ -198,7 +188,7 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     items, single = ops.as_tensor_list(f"allreduce(op={op.name.title()})", tensors)
     if op is Adasum:
         ops.check_float_tensors("allreduce(op=Adasum)", items, one_dtype=False)
-    check_same_on_all_ranks(comm, items, f"allreduce(op={op.name.title()})")
+    check_same_on_all_ranks(comm, items, f"allreduce(op={op.name.title()})", names)
     if op is Adasum:
         out = vhdd_allreduce(comm, items, names)
     else:

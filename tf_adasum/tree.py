@@ -27,18 +27,54 @@ def fold_size(p: int) -> tuple[int, int]:
     return p2, p - p2
 
 
+def tensor_specs(tensors: Sequence[tf.Tensor]) -> list[tuple[list[int | None] | None, str]]:
+    """Each tensor's static shape (None when even the rank is unknown) and dtype name."""
+    return [(t.shape.as_list() if t.shape.rank is not None else None, t.dtype.name) for t in tensors]
+
+
+def describe_tensor(index: int, count: int, names: Sequence[str] | None = None) -> str:
+    """'tensor 3 of 12', with the tensor's name in parentheses when it is known."""
+    name = f" ({names[index]})" if names is not None and index < len(names) else ""
+    return f"tensor {index} of {count}{name}"
+
+
+def first_mismatch(
+    specs: Sequence[Sequence[tuple[list[int | None] | None, str]]],
+    where: str,
+    names: Sequence[str] | None = None,
+) -> str | None:
+    """How the first of specs[1:] that differs from specs[0] differs from it, or None when none does.
+
+    Replica or rank 0 holds what is expected. Used by the tree over a process's replicas and by the
+    check across ranks, so both say the same thing the same way.
+
+    Args:
+        specs: specs[r] is tensor_specs() of replica or rank r's tensors.
+        where: "replica" or "rank".
+        names: the tensors' names, for the message.
+
+    Returns:
+        For example "tensor 3 of 12 (dense/kernel) has shape [4, 6] and dtype float32 on rank 1 but
+        shape [4, 5] and dtype float32 on rank 0", or "rank 2 has 1 tensors but rank 0 has 2".
+    """
+    expected = specs[0]
+    for r, got in enumerate(specs[1:], start=1):
+        if len(got) != len(expected):
+            return f"{where} {r} has {len(got)} tensors but {where} 0 has {len(expected)}"
+        for i, ((shape, dtype), (shape0, dtype0)) in enumerate(zip(got, expected, strict=True)):
+            if shape != shape0 or dtype != dtype0:
+                return (
+                    f"{describe_tensor(i, len(expected), names)} has shape {shape} and dtype {dtype} "
+                    f"on {where} {r} but shape {shape0} and dtype {dtype0} on {where} 0"
+                )
+    return None
+
+
 def check_replicas_match(per_replica: Sequence[Sequence[tf.Tensor]], where: str = "replica") -> None:
     """Raises ValueError naming the tensor and the replica whose count, shape or dtype differ from 0's."""
-    first = per_replica[0]
-    for r, tensors in enumerate(per_replica[1:], start=1):
-        if len(tensors) != len(first):
-            raise ValueError(f"{where} {r} has {len(tensors)} tensors but {where} 0 has {len(first)}")
-        for i, (t, t0) in enumerate(zip(tensors, first, strict=True)):
-            if t.dtype != t0.dtype or not t.shape.is_compatible_with(t0.shape):
-                raise ValueError(
-                    f"tensor {i} of {len(first)} has shape {t.shape.as_list()} and dtype {t.dtype.name} "
-                    f"on {where} {r} but shape {t0.shape.as_list()} and dtype {t0.dtype.name} on {where} 0"
-                )
+    mismatch = first_mismatch([tensor_specs(tensors) for tensors in per_replica], where)
+    if mismatch is not None:
+        raise ValueError(mismatch)
 
 
 def adasum_pair_any_dtypes(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
