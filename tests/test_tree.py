@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
-from tf_adasum.tree import first_mismatch, tensor_specs
+from tf_adasum.tree import first_mismatch, indices_by_dtype, tensor_specs
 
 SHAPES = [(3, 5), (0,), (1031,), (1,), (2, 0, 3)]
 RTOL = {"float32": 1e-5, "float64": 1e-10}
@@ -125,3 +125,8 @@ def test_a_mismatch_names_the_tensor_and_what_rank_0_has() -> None:
     assert first_mismatch([expected, list(expected), expected], "rank") is None
     assert first_mismatch([expected], "replica") is None
 
+
+def test_indices_by_dtype_in_order_of_first_appearance() -> None:
+    mixed = [tf.ones([1], dtype) for dtype in (tf.float16, tf.float32, tf.float16, tf.float64, tf.float32)]
+    assert indices_by_dtype(mixed) == [[0, 2], [1, 4], [3]]
+    assert indices_by_dtype([]) == []

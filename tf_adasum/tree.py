@@ -77,11 +77,21 @@ def check_replicas_match(per_replica: Sequence[Sequence[tf.Tensor]], where: str 
         raise ValueError(mismatch)
 
 
+def indices_by_dtype(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
+    """The positions of the tensors of each dtype, dtypes in the order they first appear.
+
+    Mixed precision mixes dtypes in one list; the fused ops take one dtype per call.
+    """
+    groups: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
+
+
 def adasum_pair_any_dtypes(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """adasum_pair over a list that may mix dtypes (mixed precision): one fused call per dtype."""
     out: list[Any] = [None] * len(a)
-    for dtype in dict.fromkeys(t.dtype for t in a):
-        index = [i for i, t in enumerate(a) if t.dtype == dtype]
+    for index in indices_by_dtype(a):
         for i, combined in zip(
             index, ops.adasum_pair([a[i] for i in index], [b[i] for i in index]), strict=True
         ):

@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from tf_adasum import agreement, ops
 from tf_adasum.comm.base import Communicator
-from tf_adasum.tree import fold_size
+from tf_adasum.tree import fold_size, indices_by_dtype
 
 
 def virtual_to_real(v: int, r: int) -> int:
@@ -163,10 +163,7 @@ def vhdd_allreduce(
     """
     if comm.size == 1:
         return list(tensors)
-    groups = []
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        groups.append((index, *_fuse(tensors, index)))
+    groups = [(index, *_fuse(tensors, index)) for index in indices_by_dtype(tensors)]
 
     code = agreement.first_nonfinite([(index, buffer, starts) for index, buffer, starts, _ in groups])
     checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names)
