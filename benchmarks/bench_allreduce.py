@@ -18,33 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import tensorflow as tf
+from common import median_ms, resnet50_shapes
 
 import tf_adasum
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_ops import resnet50_shapes
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, barrier: Callable[[], None]) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def engine_sum(comm: Any, tensors: list[tf.Tensor]) -> tuple[Callable[[], Any], Callable[[], None]]:
@@ -99,9 +82,9 @@ def main() -> None:
         tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
         sum_fn, barrier = engine_sum(comm, tensors)
         adasum_ms = median_ms(
-            lambda t=tensors: [x.numpy() for x in tf_adasum.allreduce(t)], args.repeats, barrier
+            lambda t=tensors: [x.numpy() for x in tf_adasum.allreduce(t)], args.repeats, before=barrier
         )
-        sum_ms = median_ms(sum_fn, args.repeats, barrier)
+        sum_ms = median_ms(sum_fn, args.repeats, before=barrier)
         row = {"case": name, "engine": comm.engine, "ranks": comm.size, "tensors": len(shapes)}
         row |= {"megabytes": round(4 * sum(int(np.prod(s)) for s in shapes) / 2**20, 1)}
         row |= {
@@ -110,7 +93,9 @@ def main() -> None:
             "ratio": round(adasum_ms / sum_ms, 2),
         }
         if horovod is not None:
-            row["horovod_ms"] = round(median_ms(lambda t=tensors: horovod(t), args.repeats, barrier), 2)
+            row["horovod_ms"] = round(
+                median_ms(lambda t=tensors: horovod(t), args.repeats, before=barrier), 2
+            )
         if comm.rank == 0:
             print(json.dumps(row), flush=True)
 

@@ -22,59 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-# Trainable tensor shapes of ResNet-50 as its reference benchmarks count them (no conv biases):
-# 53 convolution kernels, 53 batch-norm scales and offsets, and the classifier: 161 tensors, 25.5M
-# parameters.
-RESNET50_STAGES = [(3, 64, 256), (4, 128, 512), (6, 256, 1024), (3, 512, 2048)]
-
-
-def resnet50_shapes() -> list[tuple[int, ...]]:
-    convs: list[tuple[int, ...]] = [(7, 7, 3, 64)]
-    channels = 64
-    for blocks, width, out in RESNET50_STAGES:
-        for block in range(blocks):
-            if block == 0:
-                convs.append((1, 1, channels, out))  # projection shortcut
-            convs += [(1, 1, channels, width), (3, 3, width, width), (1, 1, width, out)]
-            channels = out
-    shapes: list[tuple[int, ...]] = []
-    for kernel in convs:
-        shapes += [kernel, (kernel[-1],), (kernel[-1],)]
-    return [*shapes, (2048, 1000), (1000,)]
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up: tracing, allocation
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def composite_pair(a: list[Any], b: list[Any], accumulate: Any) -> list[Any]:
-    import tensorflow as tf
-
-    guard = float(np.sqrt(np.finfo(np.float64).tiny))
-    out = []
-    for x, y in zip(a, b, strict=True):
-        xw, yw = tf.cast(x, accumulate), tf.cast(y, accumulate)
-        dot, xx, yy = tf.reduce_sum(xw * yw), tf.reduce_sum(xw * xw), tf.reduce_sum(yw * yw)
-        ca = tf.where(xx >= guard, 1 - dot / (2 * xx), tf.ones_like(dot))
-        cb = tf.where(yy >= guard, 1 - dot / (2 * yy), tf.ones_like(dot))
-        out.append(tf.cast(ca * xw + cb * yw, x.dtype))
-    return out
+from common import composite_pair, median_ms, resnet50_shapes
 
 
 def copy_gbps(nbytes: int, repeats: int) -> float:
@@ -137,7 +90,7 @@ def main() -> None:
         for allocator in ("default", "bfc"):
             subprocess.run([sys.executable, __file__, *sys.argv[1:], "--allocator", allocator], check=True)
         return
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.allocator == "bfc":
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
 
