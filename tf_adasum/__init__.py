@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from tf_adasum import _compat, callbacks, ops
+from tf_adasum._compat import HookError
 from tf_adasum.callbacks import AdasumCallback
 from tf_adasum.comm.base import NonFiniteUpdateError, PeerError, UnevenDataError
 from tf_adasum.distributed import (
@@ -34,6 +35,7 @@ __all__ = [
     "AdasumStrategy",
     "AllreduceOptimizer",
     "Average",
+    "HookError",
     "NonFiniteUpdateError",
     "PeerError",
     "ReduceOp",
@@ -56,7 +58,8 @@ __all__ = [
 ]
 __version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproject.toml
 
-_compat.install_error_translation()
+_compat.warn_at_import()
+_compat.install_step_hooks()
 # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
 # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
 # `python -m tf_adasum.run` started for the TF engine starts it here.

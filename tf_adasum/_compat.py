@@ -1,56 +1,430 @@
-"""The private Keras hooks tf_adasum relies on, in one place, each checked when it is installed.
+"""Every private Keras and TensorFlow name tf_adasum depends on, in one place, each checked at import.
 
-- `TensorFlowTrainer.make_train_function` / `make_test_function`: the functions they build run the
-  compiled steps; tf_adasum wraps them (distributed.translate_errors) so that its errors raised inside a
-  step reach `fit`'s caller as tf_adasum.PeerError, NonFiniteUpdateError or UnevenDataError, naming the
-  rank, instead of tf.errors.UnknownError. Errors that are not tf_adasum's pass through unchanged.
-- `tensorflow.python.data.ops.multi_device_iterator_ops._create_device_dataset`: the per-device
-  prefetch datasets of a distributed dataset. tf_adasum turns tf.data autotuning off on them (see
-  quiet_per_device_iterators).
+tf_adasum changes where Keras sums gradients and what a train step does across processes. It does so
+through the hooks below; if a Keras or TensorFlow release renamed or reshaped one, training would not
+stop, it would quietly run a different algorithm (a gradient mean instead of Adasum, an inner optimizer
+that sums gradients already multiplied by N, logs averaged on one process only). So each hook is
+checked when tf_adasum is imported, against the code that uses it, and:
+
+- at import, a missing or changed hook gives one warning naming it, and a Keras or TensorFlow outside
+  the tested range (TESTED_KERAS, TESTED_TENSORFLOW; pyproject.toml carries the same bounds) gives a
+  warning naming the range;
+- whatever needs a missing hook (AdasumStrategy, AdasumOptimizer, AdasumCallback, ...) raises
+  HookError when it is created, before any training, instead of degrading.
+
+The hooks:
+
+`optimizers.get`
+    keras.src.optimizers.get, which Trainer.compile resolves optimizers through. tf_adasum replaces
+    it once, here, and the public keras.optimizers.get with it, so that a plain optimizer compiled
+    under an AdasumStrategy's scope becomes an AdasumOptimizer.
+`_all_reduce_sum_gradients`
+    TFOptimizer's cross-replica gradient sum, switched off on an AdasumOptimizer's inner optimizer
+    so that each replica steps on its own gradient.
+`_distribution_strategy`
+    the strategy an optimizer was created under (read to refuse a build under another one).
+`train_step / test_step`
+    TensorFlowTrainer's make_train_function / make_test_function, which pass the model's bound
+    train_step / test_step to strategy.run. tf_adasum wraps the functions they build (to translate
+    its errors, and to know a Keras step is running) and recognises the bound steps, to average logs
+    and BatchNorm statistics across processes. An unrecognised step inside a Keras train or test
+    function raises HookError.
+`LossScaleOptimizer.check_finite`
+    the finiteness decision of mixed precision. Keras takes it from the first replica, since its
+    gradients are all-reduced; Adasum's are not, so tf_adasum makes it global (see
+    install_global_loss_scale_finiteness).
+`_create_device_dataset`
+    tf.data's per-device prefetch datasets (quiet_per_device_iterators). Optional: without it,
+    epoch boundaries can be slow with many replicas, nothing else changes.
+`numpy views of eager tensors`
+    the MPI engine receives into a fresh tensor through np.asarray's view of its memory (checked on
+    first use; without it the engine copies, which is slower but the same).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import functools
+import inspect
+import threading
+import types
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_adasum import distributed
 
+# [first, last) of the releases tf_adasum is tested with; pyproject.toml carries the same bounds.
+TESTED_TENSORFLOW = ("2.21", "2.22")
+TESTED_KERAS = ("3.15", "3.16")
 
-def install_error_translation() -> None:
-    """Makes every Keras train and test function translate tf_adasum's errors (once per process)."""
-    try:
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    except ImportError as error:  # a Keras release that moved its TensorFlow trainer
-        warnings.warn(
-            f"tf_adasum could not find Keras's TensorFlow trainer ({error}); errors raised inside compiled "
-            "steps reach you as tf.errors.UnknownError instead of tf_adasum.PeerError",
-            stacklevel=2,
-        )
-        return
-    for maker, attribute in (
-        ("make_train_function", "train_function"),
-        ("make_test_function", "test_function"),
+
+class HookError(RuntimeError):
+    """A private Keras or TensorFlow name tf_adasum relies on is missing or no longer behaves as assumed."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    numbers = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        numbers.append(int(digits or 0))
+    return tuple(numbers)
+
+
+def untested_versions() -> list[str]:
+    """The installed Keras and TensorFlow releases outside the tested ranges, described."""
+    found = []
+    for name, version, (first, last) in (
+        ("TensorFlow", tf.__version__, TESTED_TENSORFLOW),
+        ("Keras", keras.__version__, TESTED_KERAS),
     ):
-        original = getattr(TensorFlowTrainer, maker, None)
-        if original is None or getattr(original, "_tf_adasum", False):
+        if not _release(first) <= _release(version) < _release(last):
+            found.append(f"{name} {version} (tested: >={first}, <{last})")
+    return found
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, nested functions included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _uses(function: Any, *names: str) -> bool:
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code is not None and set(names) <= _names(code)
+
+
+def _trainer() -> Any:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer
+
+
+def _tf_optimizer() -> Any:
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer
+
+
+def _loss_scale_optimizer() -> Any:
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    return LossScaleOptimizer
+
+
+def _check_optimizers_get() -> str | None:
+    from keras.src import optimizers
+    from keras.src.trainers import trainer
+
+    if getattr(trainer, "optimizers", None) is not optimizers or not callable(
+        getattr(optimizers, "get", None)
+    ):
+        return "keras.src.trainers.trainer no longer imports keras.src.optimizers, or it has no get"
+    if not _uses(trainer.Trainer.compile, "optimizers", "get"):
+        return "Trainer.compile no longer resolves its optimizer through optimizers.get"
+    return None
+
+
+def _check_gradient_sum() -> str | None:
+    optimizer = _tf_optimizer()
+    if not callable(getattr(optimizer, "_all_reduce_sum_gradients", None)):
+        return "TFOptimizer has no _all_reduce_sum_gradients"
+    if not _uses(optimizer._backend_update_step, "_all_reduce_sum_gradients"):
+        return "TFOptimizer._backend_update_step no longer calls _all_reduce_sum_gradients"
+    return None
+
+
+def _check_distribution_strategy() -> str | None:
+    if not _uses(_tf_optimizer().__init__, "_distribution_strategy"):
+        return "TFOptimizer.__init__ no longer sets _distribution_strategy"
+    return None
+
+
+def _check_steps() -> str | None:
+    trainer = _trainer()
+    for maker, step in (("make_train_function", "train_step"), ("make_test_function", "test_step")):
+        function = getattr(trainer, maker, None)
+        if function is None:
+            return f"TensorFlowTrainer has no {maker}"
+        original = getattr(function, "_tf_adasum_original", function)
+        if not _uses(original, step):
+            return f"TensorFlowTrainer.{maker} no longer runs the model's {step}"
+    return None
+
+
+def _check_loss_scale() -> str | None:
+    optimizer = _loss_scale_optimizer()
+    check = getattr(optimizer, "check_finite", None)
+    if not callable(check):
+        return "LossScaleOptimizer has no check_finite"
+    if not (_uses(optimizer._tf_apply, "check_finite") and _uses(optimizer._common_apply, "check_finite")):
+        return "LossScaleOptimizer no longer decides to skip a step through check_finite"
+    return None
+
+
+def _check_device_datasets() -> str | None:
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    if not callable(getattr(multi_device_iterator_ops, "_create_device_dataset", None)):
+        return "tf.data's multi_device_iterator_ops has no _create_device_dataset"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    name: str
+    check: Callable[[], str | None]
+    consequence: str
+
+
+HOOKS = {
+    hook.name: hook
+    for hook in (
+        Hook(
+            "optimizers.get",
+            _check_optimizers_get,
+            "AdasumStrategy cannot wrap a plain optimizer passed to compile",
+        ),
+        Hook(
+            "_all_reduce_sum_gradients",
+            _check_gradient_sum,
+            "AdasumOptimizer's inner optimizer would sum gradients across replicas",
+        ),
+        Hook(
+            "_distribution_strategy",
+            _check_distribution_strategy,
+            "AdasumOptimizer cannot check the strategy it is built under",
+        ),
+        Hook(
+            "train_step / test_step",
+            _check_steps,
+            "logs and BatchNorm statistics would not be averaged across processes",
+        ),
+        Hook(
+            "LossScaleOptimizer.check_finite",
+            _check_loss_scale,
+            "under mixed_float16, one replica's overflow would not skip the step on the others",
+        ),
+        Hook(
+            "_create_device_dataset",
+            _check_device_datasets,
+            "epoch boundaries may stall with many replicas (nothing else changes)",
+        ),
+    )
+}
+REQUIRED = tuple(name for name in HOOKS if name != "_create_device_dataset")
+
+
+def problem(name: str) -> str | None:
+    """What is wrong with hook `name`, or None when it is there and used as assumed."""
+    try:
+        return HOOKS[name].check()
+    except (ImportError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def require(*names: str) -> None:
+    """Raises HookError if any of the named hooks is missing or changed."""
+    for name in names or REQUIRED:
+        found = problem(name)
+        if found is not None:
+            raise HookError(
+                f"tf_adasum cannot run safely with Keras {keras.__version__} and TensorFlow "
+                f"{tf.__version__}: {found}, so {HOOKS[name].consequence}. tf_adasum is tested with "
+                f"tensorflow>={TESTED_TENSORFLOW[0]},<{TESTED_TENSORFLOW[1]} and "
+                f"keras>={TESTED_KERAS[0]},<{TESTED_KERAS[1]}: install those"
+            )
+
+
+def require_tensorflow_backend(what: str) -> None:
+    """Refuses a Keras backend other than TensorFlow: every hook above is TensorFlow's."""
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            f"{what} needs Keras's TensorFlow backend, but KERAS_BACKEND is {backend!r}: set "
+            "KERAS_BACKEND=tensorflow before importing keras"
+        )
+
+
+def warn_at_import() -> None:
+    """One warning for a Keras or TensorFlow outside the tested range, and one per missing hook."""
+    untested = untested_versions()
+    if untested:
+        warnings.warn(
+            f"tf_adasum is not tested with {' and '.join(untested)}; its hooks into Keras are checked, "
+            "but results may differ",
+            stacklevel=3,
+        )
+    broken = {name: problem(name) for name in HOOKS}
+    for name, found in broken.items():
+        if found is not None:
+            warnings.warn(
+                f"tf_adasum: {found}, so {HOOKS[name].consequence}"
+                + ("; using it raises tf_adasum.HookError" if name in REQUIRED else ""),
+                stacklevel=3,
+            )
+
+
+def _mark(function: Any, original: Any) -> Any:
+    function._tf_adasum_original = original
+    return function
+
+
+# --- optimizers.get ------------------------------------------------------------------------------
+
+
+def install_optimizer_get(resolve: Callable[[Any], Any]) -> None:
+    """Makes keras.optimizers.get (public and private) return resolve(the optimizer), once per process."""
+    from keras.src import optimizers
+
+    if problem("optimizers.get") is not None or hasattr(optimizers.get, "_tf_adasum_original"):
+        return
+    original = optimizers.get
+
+    @functools.wraps(original)
+    def get(identifier: Any) -> Any:
+        return resolve(original(identifier))
+
+    optimizers.get = _mark(get, original)
+    if getattr(keras.optimizers, "get", None) is original:
+        keras.optimizers.get = get
+
+
+# --- _all_reduce_sum_gradients, _distribution_strategy --------------------------------------------
+
+
+def disable_gradient_sum(optimizer: Any) -> None:
+    """Makes `optimizer` step on each replica's own gradient: no cross-replica sum before its update."""
+    require("_all_reduce_sum_gradients")
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def strategy_of(optimizer: Any) -> Any:
+    """The tf.distribute strategy `optimizer` was created under."""
+    require("_distribution_strategy")
+    return optimizer._distribution_strategy
+
+
+# --- Keras's train and test steps ------------------------------------------------------------------
+
+_running = threading.local()
+
+
+def keras_step(fn: Any) -> tuple[Any, str] | None:
+    """(model, "train" or "test") when fn is a model's bound train_step or test_step, else None."""
+    fn = getattr(fn, "python_function", fn)
+    model = getattr(fn, "__self__", None)
+    if isinstance(model, keras.Model) and getattr(fn, "__name__", None) in ("train_step", "test_step"):
+        return model, fn.__name__[: -len("_step")]
+    return None
+
+
+def keras_function_running() -> str | None:
+    """ "train" or "test" while a Keras train or test function runs (and is traced) on this thread."""
+    return getattr(_running, "kind", None)
+
+
+@contextlib.contextmanager
+def _running_keras_function(kind: str) -> Iterator[None]:
+    outer = keras_function_running()
+    _running.kind = kind
+    try:
+        yield
+    finally:
+        _running.kind = outer
+
+
+def install_step_hooks() -> None:
+    """Wraps the functions Keras's make_train_function / make_test_function build, once per process.
+
+    The wrapped function translates tf_adasum's errors raised inside a compiled step into
+    tf_adasum.PeerError, NonFiniteUpdateError or UnevenDataError, naming the rank (instead of
+    tf.errors.UnknownError), and marks the thread as running a Keras step, so that AdasumStrategy.run
+    can tell an unrecognised step from a user's own function.
+    """
+    if problem("train_step / test_step") is not None:
+        return
+    trainer = _trainer()
+    for maker, attribute, kind in (
+        ("make_train_function", "train_function", "train"),
+        ("make_test_function", "test_function", "test"),
+    ):
+        original = getattr(trainer, maker)
+        if hasattr(original, "_tf_adasum_original"):
             continue
 
         @functools.wraps(original)
         def make(
-            self: Any, force: bool = False, _original: Any = original, _attribute: str = attribute
+            self: Any,
+            force: bool = False,
+            _original: Any = original,
+            _attribute: str = attribute,
+            _kind: str = kind,
         ) -> Any:
             _original(self, force)
             function = getattr(self, _attribute, None)
-            if function is not None:
-                setattr(self, _attribute, distributed.translate_errors(function))
+            if function is not None and not hasattr(function, "_tf_adasum_original"):
+                translated = distributed.translate_errors(function)
+
+                @functools.wraps(function)
+                def run(*args: Any, **kwargs: Any) -> Any:
+                    with _running_keras_function(_kind):
+                        return translated(*args, **kwargs)
+
+                setattr(self, _attribute, _mark(run, function))
             return getattr(self, _attribute)
 
-        make._tf_adasum = True  # type: ignore[attr-defined]
-        setattr(TensorFlowTrainer, maker, make)
+        setattr(trainer, maker, _mark(make, original))
+
+
+# --- LossScaleOptimizer.check_finite ---------------------------------------------------------------
+
+
+def install_global_loss_scale_finiteness(
+    applies_to: Callable[[Any], bool], everywhere: Callable[[tf.Tensor], tf.Tensor]
+) -> None:
+    """Makes mixed precision skip a step everywhere when any replica's gradients overflow, once.
+
+    Keras's LossScaleOptimizer checks that the gradients are finite and skips the step (halving the
+    loss scale) if not. Under a strategy it asks every replica but uses the first replica's answer,
+    because it expects gradients all-reduced before that; without a strategy each process decides on
+    its own. tf_adasum's replicas keep their own gradients, so one replica could overflow while the
+    first did not: it would step on Inf while the others step normally, or, across processes, skip a
+    sync the others wait in. For an optimizer where applies_to(inner optimizer) holds, the decision is
+    everywhere(this replica's decision): finite only if finite on every replica of every process.
+    """
+    if problem("LossScaleOptimizer.check_finite") is not None:
+        return
+    optimizer = _loss_scale_optimizer()
+    original = optimizer.check_finite
+    if hasattr(original, "_tf_adasum_original"):
+        return
+
+    @functools.wraps(original)
+    def check_finite(self: Any, grads: Any) -> Any:
+        finite = original(self, grads)
+        return everywhere(finite) if applies_to(self.inner_optimizer) else finite
+
+    optimizer.check_finite = _mark(check_finite, original)
+
+
+def loss_scale_inner(optimizer: Any) -> Any:
+    """The optimizer a Keras LossScaleOptimizer wraps, or `optimizer` itself."""
+    if isinstance(optimizer, _loss_scale_optimizer()):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+# --- _create_device_dataset -----------------------------------------------------------------------
 
 
 def quiet_per_device_iterators() -> None:
@@ -66,12 +440,12 @@ def quiet_per_device_iterators() -> None:
     in Model::OptimizeLoop). A one-element buffer has nothing to tune, so nothing is lost. The source
     dataset keeps its own options.
     """
-    try:
-        from tensorflow.python.data.ops import multi_device_iterator_ops as module
-    except ImportError:
+    if problem("_create_device_dataset") is not None:
         return
-    original = getattr(module, "_create_device_dataset", None)
-    if original is None or getattr(original, "_tf_adasum", False):
+    from tensorflow.python.data.ops import multi_device_iterator_ops as module
+
+    original = module._create_device_dataset
+    if hasattr(original, "_tf_adasum_original"):
         return
 
     @functools.wraps(original)
@@ -80,5 +454,40 @@ def quiet_per_device_iterators() -> None:
         options.autotune.enabled = False
         return original(*args, **kwargs).with_options(options)
 
-    create_device_dataset._tf_adasum = True  # type: ignore[attr-defined]
-    module._create_device_dataset = create_device_dataset
+    module._create_device_dataset = _mark(create_device_dataset, original)
+
+
+# --- numpy views of eager tensors ------------------------------------------------------------------
+
+
+def _view(tensor: tf.Tensor) -> np.ndarray:
+    shared = np.asarray(tensor)
+    raw = (ctypes.c_char * shared.nbytes).from_address(shared.ctypes.data)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=shared.dtype)
+
+
+@functools.cache
+def numpy_views_share_memory() -> bool:
+    """Whether writing through np.asarray(eager tensor)'s memory changes the tensor (checked once)."""
+    tensor = tf.raw_ops.Empty(shape=[4], dtype=tf.float32, init=True)
+    try:
+        _view(tensor)[:] = np.arange(1, 5, dtype=np.float32)
+    except (TypeError, ValueError, BufferError):
+        return False
+    shared = bool(np.array_equal(tensor.numpy(), np.arange(1, 5, dtype=np.float32)))
+    if not shared:
+        warnings.warn(
+            "tf_adasum: np.asarray no longer shares an eager tensor's memory; the MPI engine copies each "
+            "received buffer instead (slower, same results)",
+            stacklevel=2,
+        )
+    return shared
+
+
+def writable_view(tensor: tf.Tensor) -> np.ndarray | None:
+    """A writable numpy view of a fresh eager tensor that nothing else references yet, or None.
+
+    np.asarray(tensor) shares the tensor's memory but is marked read-only; the buffer is ours to fill,
+    since the tensor was just allocated for this receive. None when TensorFlow no longer shares it.
+    """
+    return _view(tensor) if numpy_views_share_memory() else None

@@ -4,8 +4,8 @@
 - BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateWarmupCallback and
   LearningRateScheduleCallback: Horovod's callbacks (horovod/_keras/callbacks.py), for Keras 3.
 
-The broadcast of weights and the averaging of logs live here once; AdasumOptimizer and AdasumStrategy
-call the same functions.
+The broadcast of weights, the averaging of logs and of BatchNorm statistics live here once;
+AdasumOptimizer and AdasumStrategy call the same functions.
 """
 
 from __future__ import annotations
@@ -94,6 +94,20 @@ def average_logs(logs: Any) -> Any:
         else:
             flat[i] = type(flat[i])(mean[j].numpy())
     return tf.nest.pack_sequence_as(logs, flat)
+
+
+def average_state_over_processes(variables: Sequence[Any]) -> None:
+    """Assigns to each floating variable its mean over processes (BatchNorm's moving statistics).
+
+    AdasumStrategy runs this after every train step across processes, as MirroredStrategy averages
+    non-trainable state over its replicas.
+    """
+    state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
+    if not state or distributed.init().size == 1:
+        return
+    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
+    for variable, mean in zip(state, means, strict=True):
+        variable.assign(mean)
 
 
 def _is_float_scalar(value: Any) -> bool:

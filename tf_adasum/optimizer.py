@@ -24,8 +24,9 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
 
-from tf_adasum import agreement, distributed
+from tf_adasum import _compat, agreement, distributed
 from tf_adasum.callbacks import broadcast_variables, tf_variable
 from tf_adasum.tree import adasum_tree
 
@@ -115,6 +116,31 @@ def sync_if_due(
     )
 
 
+def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
+    """True when the gradients were finite on every replica of every process (a boolean scalar).
+
+    Mixed precision's LossScaleOptimizer asks this (see _compat.install_global_loss_scale_finiteness)
+    when it wraps a tf_adasum optimizer, whose replicas keep their own gradients: a step is skipped
+    everywhere, and the loss scale halved everywhere, when any replica overflowed. Across processes
+    the answer travels in the agreement collective, so a rank that has ended its epoch meets it and
+    both raise UnevenDataError instead of waiting.
+    """
+    finite = tf.convert_to_tensor(finite)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        overflowed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+        )
+        finite = tf.equal(overflowed, 0.0)
+    comm = distributed.init()
+    if comm.size == 1:
+        return finite
+    # -1 is "ready, finite" to the agreement; -2 is ready too, and marks this rank's overflow.
+    code = tf.where(finite, tf.constant(-1, tf.int64), tf.constant(-2, tf.int64))
+    table = agreement.agree(comm, agreement.SYNC, code, "mixed-precision finiteness check")
+    return tf.reduce_all(tf.equal(table[:, 1], -1))
+
+
 class WrappedOptimizer(keras.optimizers.Optimizer):
     """What AdasumOptimizer and AllreduceOptimizer share: an inner Keras optimizer that does the steps.
 
@@ -130,34 +156,55 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__} wraps a Keras optimizer (keras.optimizers.Adam(...), ...), got "
                 f"{type(inner).__module__}.{type(inner).__name__}"
             )
+        if isinstance(inner, LossScaleOptimizer):
+            raise ValueError(
+                f"{type(self).__name__} wraps the optimizer that steps, and LossScaleOptimizer wraps it: "
+                f"LossScaleOptimizer({type(self).__name__}(optimizer)). Under the mixed_float16 policy "
+                "compile() does that for you: pass the plain optimizer"
+            )
+        _compat.require_tensorflow_backend(type(self).__name__)
         super().__init__(learning_rate=0.0, name=name)
-        self.inner = inner
+        self.inner_optimizer = inner
+
+    @property
+    def inner(self) -> keras.optimizers.Optimizer:
+        """The wrapped optimizer (an alias of inner_optimizer, as in Keras's LossScaleOptimizer)."""
+        return self.inner_optimizer
+
+    @property
+    def variables(self) -> list[Any]:
+        """This optimizer's own variables, then the inner optimizer's, as LossScaleOptimizer has them."""
+        return self._variables + self.inner_optimizer.variables
 
     @property
     def learning_rate(self) -> Any:
-        return self.inner.learning_rate
+        return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
     def learning_rate(self, learning_rate: Any) -> None:
-        self.inner.learning_rate = learning_rate
+        self.inner_optimizer.learning_rate = learning_rate
 
     @property
     def iterations(self) -> Any:
-        return self.inner.iterations
+        return self.inner_optimizer.iterations
 
     def scale_loss(self, loss: Any) -> Any:
-        return self.inner.scale_loss(loss)
+        return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list: list[Any]) -> None:
-        self.inner.finalize_variable_values(var_list)
+        self.inner_optimizer.finalize_variable_values(var_list)
 
     def _config(self) -> dict[str, Any]:
-        return {"name": self.name, "inner": keras.saving.serialize_keras_object(self.inner)}
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+        }
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
         config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner"), custom_objects=custom_objects)
+        serialized = config.pop("inner_optimizer") if "inner_optimizer" in config else config.pop("inner")
+        inner = keras.saving.deserialize_keras_object(serialized, custom_objects=custom_objects)
         return cls(inner, **config)
 
 
@@ -182,11 +229,13 @@ class ReplicaState:
         self.pending: list[np.ndarray] | None = None
 
     def gather(self) -> list[np.ndarray]:
-        return [np.stack([c.numpy() for c in _components(v)]) for v in self.optimizer.inner.variables]
+        return [
+            np.stack([c.numpy() for c in _components(v)]) for v in self.optimizer.inner_optimizer.variables
+        ]
 
     def spread(self, stacked: list[np.ndarray]) -> None:
         """Puts each replica's saved state back; before the optimizer is built, once it is."""
-        inner = self.optimizer.inner
+        inner = self.optimizer.inner_optimizer
         if not inner.built:  # tf.train.Checkpoint restores into optimizers that are built later
             self.pending = stacked
             return
@@ -257,30 +306,32 @@ class AdasumOptimizer(WrappedOptimizer):
     ) -> None:
         if isinstance(inner, AdasumOptimizer):
             raise ValueError("the inner optimizer is already an AdasumOptimizer")
+        _compat.require()
         super().__init__(inner, name=name or f"adasum_{getattr(inner, 'name', 'optimizer')}")
         self.sync_every = check_sync_every(sync_every)
         self.root = root
         self.compression = _check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
-        inner._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+        _compat.disable_gradient_sum(inner)
         self._replica_state = ReplicaState(self)
         # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
         self.replica_state = _ReplicaStateCheckpoint(self._replica_state)
 
     def build(self, var_list: list[Any]) -> None:
         current = tf.distribute.get_strategy()
-        for optimizer in (self, self.inner):
-            if optimizer._distribution_strategy is not current:
+        for optimizer in (self, self.inner_optimizer):
+            created_under = _compat.strategy_of(optimizer)
+            if created_under is not current:
                 raise ValueError(
                     f"optimizer {optimizer.name!r} was created under "
-                    f"{type(optimizer._distribution_strategy).__name__} but is being built under "
+                    f"{type(created_under).__name__} but is being built under "
                     f"{type(current).__name__}: create the model and its optimizer "
                     "inside the same strategy.scope()"
                 )
         # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
         # broadcast callback arrange; otherwise each would keep its own random initialisation.
         broadcast_variables(var_list, self.root)
-        self.inner.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
+        self.inner_optimizer.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
             self._replica_state.spread(stacked)
@@ -303,14 +354,14 @@ class AdasumOptimizer(WrappedOptimizer):
         grads = [None if g is None else _dense(g) for g in grads]
         if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
             grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
-        self.inner.apply(grads, trainable_variables)
+        self.inner_optimizer.apply(grads, trainable_variables)
         variables = (
-            list(trainable_variables) if trainable_variables is not None else self.inner._trainable_variables
+            list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         )
         anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
         context.merge_call(
             sync_if_due,
-            args=(variables, anchors, self.inner.iterations, self.sync_every, self.compression),
+            args=(variables, anchors, self.inner_optimizer.iterations, self.sync_every, self.compression),
         )
 
     _REPLICA_KEY = "replicas_of_inner_"
@@ -330,7 +381,7 @@ class AdasumOptimizer(WrappedOptimizer):
         stacked = [np.asarray(store[f"{self._REPLICA_KEY}{i}"]) for i in range(count)]
         # Keras loads this optimizer's variables before those of its child, the inner optimizer, which
         # would then put its first replica's values into every replica: spread them after that load.
-        inner, load_inner = self.inner, type(self.inner).load_own_variables
+        inner, load_inner = self.inner_optimizer, type(self.inner_optimizer).load_own_variables
 
         def load_then_spread(inner_store: Any) -> None:
             del inner.load_own_variables
@@ -378,7 +429,7 @@ class AllreduceOptimizer(WrappedOptimizer):
         self.compression = _check_compression(compression)
 
     def build(self, var_list: list[Any]) -> None:
-        self.inner.build(var_list)
+        self.inner_optimizer.build(var_list)
         super().build(var_list)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
@@ -402,7 +453,7 @@ class AllreduceOptimizer(WrappedOptimizer):
             grads = list(grads)
             for i, g in zip(present, reduced, strict=True):
                 grads[i] = g
-        self.inner.apply(grads, trainable_variables)
+        self.inner_optimizer.apply(grads, trainable_variables)
 
     def get_config(self) -> dict[str, Any]:
         return {**self._config(), "op": self.op.value, "compression": self.compression}
@@ -415,3 +466,10 @@ def _value_of(variable: Any) -> Any:
         return tf.cast(tf.identity(tf_variable(variable)), dtype)
 
     return initializer
+
+
+# Keras's LossScaleOptimizer decides to skip a step from the first replica's gradients; around a
+# tf_adasum optimizer it must decide from all of them.
+_compat.install_global_loss_scale_finiteness(
+    lambda optimizer: isinstance(optimizer, WrappedOptimizer), finite_everywhere
+)

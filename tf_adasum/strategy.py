@@ -16,23 +16,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
-from keras.src import optimizers as keras_optimizers
 
 from tf_adasum import _compat, distributed
-from tf_adasum.callbacks import average_logs
+from tf_adasum.callbacks import average_logs, average_state_over_processes
 from tf_adasum.optimizer import AdasumOptimizer, check_sync_every
 
-_keras_get_optimizer = keras_optimizers.get
 
+def _adasum_under_adasum_strategy(optimizer: Any) -> Any:
+    """What keras.optimizers.get returns: under an AdasumStrategy's scope, wrapped in AdasumOptimizer.
 
-def _get_optimizer(identifier: Any) -> Any:
-    """keras.optimizers.get, wrapping the result in AdasumOptimizer under an AdasumStrategy's scope."""
-    optimizer = _keras_get_optimizer(identifier)
+    A LossScaleOptimizer the user passed keeps its settings and goes around the AdasumOptimizer, as
+    compile() puts it under the mixed_float16 policy: LossScaleOptimizer(AdasumOptimizer(optimizer)).
+    """
     strategy = tf.distribute.get_strategy()
-    if isinstance(strategy, AdasumStrategy) and not isinstance(optimizer, AdasumOptimizer):
-        return AdasumOptimizer(optimizer, sync_every=strategy.sync_every)
-    return optimizer
+    if not isinstance(strategy, AdasumStrategy) or not isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    inner = _compat.loss_scale_inner(optimizer)
+    if isinstance(inner, AdasumOptimizer):
+        return optimizer
+    adasum = AdasumOptimizer(inner, sync_every=strategy.sync_every)
+    if inner is optimizer:
+        return adasum
+    return keras.optimizers.LossScaleOptimizer(
+        adasum,
+        initial_scale=optimizer.initial_scale,
+        dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        name=optimizer.name,
+    )
+
+
+# Keras's compile() resolves its optimizer through keras.optimizers.get: replaced once, here.
+_compat.install_optimizer_get(_adasum_under_adasum_strategy)
 
 
 class AdasumStrategy(tf.distribute.MirroredStrategy):
@@ -58,6 +74,8 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
     ) -> None:
         check_sync_every(sync_every)
+        _compat.require_tensorflow_backend("AdasumStrategy")
+        _compat.require()
         # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
         self.comm = distributed.init()
         if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
@@ -73,8 +91,6 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self.sync_every = sync_every
-        # Keras's compile() resolves its optimizer through this function.
-        keras_optimizers.get = _get_optimizer
 
     def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
         """Each process takes its contiguous share of every global batch, then splits it over replicas."""
@@ -109,22 +125,31 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         return tf.cast(total, local.dtype)
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
-        if not _is_keras_train_or_test_step(fn):
+        step = _compat.keras_step(fn)
+        running = _compat.keras_function_running()
+        if step is None and running is not None:
+            raise _compat.HookError(
+                f"Keras's {running} function ran {fn!r} through strategy.run, not the model's bound "
+                f"{running}_step that tf_adasum recognises (Keras {keras.__version__}): AdasumStrategy "
+                f"cannot check its optimizer or average its logs across processes. tf_adasum is tested with "
+                f"keras>={_compat.TESTED_KERAS[0]},<{_compat.TESTED_KERAS[1]}"
+            )
+        if step is None:
             return super().run(fn, args=args, kwargs=kwargs, options=options)
-        model = getattr(fn, "python_function", fn).__self__
-        trains = getattr(fn, "python_function", fn).__name__ == "train_step"
+        model, kind = step
+        trains = kind == "train"
         if trains:
             _check_adasum_optimizer(model.optimizer)
         if self.comm.size > 1:
             # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop
             # everywhere. After a train step, the model's non-trained state (BatchNorm moving statistics)
             # is averaged over processes, as MirroredStrategy averages it over replicas.
-            step = fn
+            keras_step = fn
 
             def step_with_global_logs(*a: Any, **k: Any) -> Any:
-                logs = step(*a, **k)
+                logs = keras_step(*a, **k)
                 if trains:
-                    _average_state_over_processes(model.non_trainable_variables)
+                    average_state_over_processes(model.non_trainable_variables)
                 return average_logs(logs)
 
             fn = step_with_global_logs
@@ -134,7 +159,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
 def _check_adasum_optimizer(optimizer: Any) -> None:
     """Refuses a train step that would silently average gradients instead of combining with Adasum."""
     # Mixed precision wraps it once more: LossScaleOptimizer(AdasumOptimizer(...)).
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = _compat.loss_scale_inner(optimizer)
     if not isinstance(inner, AdasumOptimizer):
         raise ValueError(
             f"AdasumStrategy is training with {type(inner).__name__}, not an AdasumOptimizer, which would "
@@ -149,24 +174,3 @@ def _local_device(comm: Any) -> str:
     if gpus:
         return gpus[comm.local_rank % len(gpus)].name
     return tf.config.list_logical_devices("CPU")[0].name
-
-
-def _is_keras_train_or_test_step(fn: Any) -> bool:
-    # Keras's trainer runs the model's bound train_step / test_step; their outputs are the logs.
-    # predict_step and users' own functions pass untouched.
-    import keras
-
-    fn = getattr(fn, "python_function", fn)
-    return isinstance(getattr(fn, "__self__", None), keras.Model) and fn.__name__ in (
-        "train_step",
-        "test_step",
-    )
-
-
-def _average_state_over_processes(variables: list[Any]) -> None:
-    state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
-    if not state:
-        return
-    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
-    for variable, mean in zip(state, means, strict=True):
-        variable.assign(mean)

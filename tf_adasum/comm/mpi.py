@@ -6,7 +6,6 @@ PeerError that names it instead of a hang.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tf_adasum import _compat
 from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
 
 # Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange progresses only
@@ -22,17 +22,6 @@ from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
 # this long, then sleep between polls while waiting out a slow or dead peer.
 _SPIN_SECONDS = 2.0
 _POLL_SLEEP_SECONDS = 1e-3
-
-
-def _writable_view(tensor: tf.Tensor) -> np.ndarray:
-    """A writable numpy view of a fresh eager tensor that nothing else references yet.
-
-    np.asarray(tensor) shares the tensor's memory but is marked read-only; the buffer is ours to
-    fill, since the tensor was just allocated for this receive.
-    """
-    shared = np.asarray(tensor)
-    raw = (ctypes.c_char * shared.nbytes).from_address(shared.ctypes.data)
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=shared.dtype)
 
 
 class MPICommunicator(Communicator):
@@ -128,8 +117,10 @@ class MPICommunicator(Communicator):
         if tf.executing_eagerly() and recv_size > 0:
             # Receive straight into a fresh TensorFlow tensor: no copy from numpy afterwards.
             received = tf.raw_ops.Empty(shape=[recv_size], dtype=send.dtype, init=False)
-            self._sendrecv(peer, np.asarray(send), _writable_view(received), what)
-            return received
+            view = _compat.writable_view(received)
+            if view is not None:
+                self._sendrecv(peer, np.asarray(send), view, what)
+                return received
 
         def run(x: np.ndarray) -> np.ndarray:
             recv = np.empty(recv_size, x.dtype)

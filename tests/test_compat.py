@@ -1,0 +1,155 @@
+"""The private Keras and TensorFlow hooks (tf_adasum._compat): each one's check fails clearly without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tomllib
+from keras.src import optimizers as keras_optimizers
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.trainers import trainer as keras_trainer
+from tensorflow.python.data.ops import multi_device_iterator_ops
+
+import tf_adasum
+from tests.test_training import build_linear, cpus, make_inner, problem
+from tf_adasum import _compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_hook_is_in_place_with_the_tested_keras_and_tensorflow() -> None:
+    assert _compat.untested_versions() == []
+    assert {name: _compat.problem(name) for name in _compat.HOOKS} == dict.fromkeys(_compat.HOOKS)
+    _compat.require()
+
+
+def without_compile_through_get(self: Any, optimizer: Any = "rmsprop", **kwargs: Any) -> None:
+    self.optimizer = optimizer
+
+
+def without_the_train_step(self: Any, force: bool = False) -> None:
+    self.train_function = None
+
+
+# (hook, what to take away), the way a Keras release could.
+REMOVALS = [
+    ("optimizers.get", lambda mp: mp.delattr(keras_trainer, "optimizers")),
+    ("optimizers.get", lambda mp: mp.setattr(keras_trainer.Trainer, "compile", without_compile_through_get)),
+    ("_all_reduce_sum_gradients", lambda mp: mp.delattr(TFOptimizer, "_all_reduce_sum_gradients")),
+    ("_distribution_strategy", lambda mp: mp.setattr(TFOptimizer, "__init__", lambda self, *a, **k: None)),
+    ("train_step / test_step", lambda mp: mp.delattr(TensorFlowTrainer, "make_test_function")),
+    (
+        "train_step / test_step",
+        lambda mp: mp.setattr(TensorFlowTrainer, "make_train_function", without_the_train_step),
+    ),
+    ("LossScaleOptimizer.check_finite", lambda mp: mp.delattr(LossScaleOptimizer, "check_finite")),
+    ("_create_device_dataset", lambda mp: mp.delattr(multi_device_iterator_ops, "_create_device_dataset")),
+]
+
+
+@pytest.mark.parametrize(("hook", "remove"), REMOVALS, ids=[f"{h}-{i}" for i, (h, _) in enumerate(REMOVALS)])
+def test_a_removed_hook_is_named_at_import_and_refused_on_use(
+    hook: str, remove: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remove(monkeypatch)
+    found = _compat.problem(hook)
+    assert found is not None
+    with pytest.warns(UserWarning, match="tf_adasum: ") as warned:
+        _compat.warn_at_import()
+    assert any(found in str(w.message) for w in warned)
+    if hook in _compat.REQUIRED:
+        with pytest.raises(_compat.HookError, match="tf_adasum cannot run safely with Keras") as raised:
+            _compat.require(hook)
+        assert found in str(raised.value) and "keras>=3.15,<3.16" in str(raised.value)
+
+
+def test_without_the_gradient_sum_hook_adasum_optimizer_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(TFOptimizer, "_all_reduce_sum_gradients")
+    with pytest.raises(tf_adasum.HookError, match="would sum gradients across replicas"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
+
+
+def test_when_compile_stops_resolving_optimizers_adasum_strategy_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(keras_trainer.Trainer, "compile", without_compile_through_get)
+    with pytest.raises(tf_adasum.HookError, match="cannot wrap a plain optimizer"):
+        tf_adasum.AdasumStrategy(devices=cpus(2))
+
+
+def test_a_step_keras_passes_as_a_closure_is_refused_not_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = TensorFlowTrainer._make_function
+
+    def make_function(self: Any, step_function: Any) -> Any:
+        return original(self, lambda data: step_function(data))  # what a Keras release might do
+
+    monkeypatch.setattr(TensorFlowTrainer, "_make_function", make_function)
+    x, y, _, _ = problem()
+    model = build_linear(tf_adasum.AdasumStrategy(devices=cpus(2)), lambda: make_inner("sgd_momentum"))
+    with pytest.raises(tf_adasum.HookError, match="not the model's bound train_step"):
+        model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+    with pytest.raises(tf_adasum.HookError, match="not the model's bound test_step"):
+        model.evaluate(x[:8], y[:8], batch_size=8, verbose=0)
+
+
+def test_keras_optimizers_get_is_replaced_once_public_and_private_alike() -> None:
+    get = keras.optimizers.get
+    assert get is keras_optimizers.get
+    assert get._tf_adasum_original.__module__ == "keras.src.optimizers"
+    tf_adasum.AdasumStrategy(devices=cpus(2))
+    tf_adasum.AdasumStrategy(devices=cpus(2))
+    assert keras.optimizers.get is get is keras_optimizers.get
+    assert isinstance(keras.optimizers.get("sgd"), keras.optimizers.SGD)  # outside a strategy: untouched
+
+
+def test_a_keras_or_tensorflow_outside_the_tested_range_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keras, "__version__", "3.16.0")
+    assert _compat.untested_versions() == ["Keras 3.16.0 (tested: >=3.15, <3.16)"]
+    with pytest.warns(UserWarning, match=r"not tested with Keras 3\.16\.0 \(tested: >=3\.15, <3\.16\)"):
+        _compat.warn_at_import()
+
+
+def test_the_package_metadata_bounds_are_the_tested_ranges() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    keras_first, keras_last = _compat.TESTED_KERAS
+    tf_first, tf_last = _compat.TESTED_TENSORFLOW
+    assert f"keras>={keras_first},<{keras_last}" in project["dependencies"]
+    extras = project["optional-dependencies"]
+    assert f"tensorflow-cpu>={tf_first},<{tf_last}" in extras["cpu"]
+    assert f"tensorflow[and-cuda]>={tf_first},<{tf_last}" in extras["gpu"]
+
+
+def test_another_keras_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match="needs Keras's TensorFlow backend, but KERAS_BACKEND is 'jax'"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND is 'jax'"):
+        tf_adasum.AdasumStrategy(devices=cpus(2))
+
+
+def test_the_mpi_engine_receives_into_tensor_memory_only_while_numpy_shares_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tensorflow as tf
+
+    tensor = tf.raw_ops.Empty(shape=[3], dtype=tf.float64, init=True)
+    view = _compat.writable_view(tensor)
+    assert view is not None
+    view[:] = [1.0, 2.0, 3.0]
+    np.testing.assert_array_equal(tensor.numpy(), [1.0, 2.0, 3.0])
+
+    monkeypatch.setattr(_compat, "_view", lambda t: np.array(t))  # a release that hands out copies
+    _compat.numpy_views_share_memory.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="the MPI engine copies each received buffer instead"):
+            assert _compat.writable_view(tensor) is None
+    finally:
+        _compat.numpy_views_share_memory.cache_clear()
