@@ -141,6 +141,57 @@ def strategy_fit(out: Path) -> None:
     bn.fit(x[:32] * (1 + comm.rank), y[:32], batch_size=8, shuffle=False, verbose=0)
     np.savez(out / f"batchnorm{comm.rank}.npz", *bn.get_weights())
 
+    # distribute_datasets_from_function: each process is one input pipeline, and shards by it.
+    contexts = []
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        contexts.append(
+            [context.num_input_pipelines, context.input_pipeline_id, context.num_replicas_in_sync]
+        )
+        rows = tf.data.Dataset.from_tensor_slices((x[:32], y[:32]))
+        return rows.shard(context.num_input_pipelines, context.input_pipeline_id).batch(
+            context.get_per_replica_batch_size(8)
+        )
+
+    sharded = build_linear(strategy, lambda: make_inner("adam"))
+    sharded.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1, verbose=0)
+    np.savez(out / f"from_function{comm.rank}.npz", *sharded.get_weights())
+    (out / f"contexts{comm.rank}.json").write_text(json.dumps(contexts))
+
+    mixed_precision(out, comm.rank)
+
+
+def mixed_precision(out: Path, rank: int) -> None:
+    """mixed_float16 with rank 1's share of the first batch overflowing: skipped on both processes."""
+    import keras
+
+    from tests.test_training import build_linear, make_inner, problem
+
+    x, y, _, _ = problem()
+    results = {}
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for sync_every in (1, 2):
+            strategy = tf_adasum.AdasumStrategy(sync_every=sync_every)
+            model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+            start = model.get_weights()
+            xs, ys = x[: 8 * (1 + sync_every)].copy(), y[: 8 * (1 + sync_every)].copy()
+            xs[4:8] *= 3e3  # rank 1's half of the first global batch overflows float16
+            model.fit(xs[:8], ys[:8], batch_size=8, shuffle=False, verbose=0)
+            skipped = {
+                "scale": float(model.optimizer.dynamic_scale.numpy()),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "unchanged": all(
+                    np.array_equal(a, b) for a, b in zip(model.get_weights(), start, strict=True)
+                ),
+            }
+            model.fit(xs[8:], ys[8:], batch_size=8, shuffle=False, verbose=0)
+            results[sync_every] = {"skipped": skipped, "iterations": int(model.optimizer.iterations.numpy())}
+            np.savez(out / f"mixed{sync_every}_{rank}.npz", *model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (out / f"mixed{rank}.json").write_text(json.dumps(results))
+
 
 def resume(out: Path) -> None:
     """k steps, a checkpoint of this process's own state, a fresh model, k more: as 2k steps at once."""

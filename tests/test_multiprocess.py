@@ -82,7 +82,7 @@ def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: P
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])
 def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
-    from tests.test_training import problem, simulate
+    from tests.test_training import problem, simulate, simulate_replicas
 
     code = launch(engine, 2, tmp_path, "strategy")
     assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
@@ -114,6 +114,31 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
         variance = 0.99 * variance + 0.01 * np.mean([b.var(0) for b in rows], axis=0)
     np.testing.assert_allclose(bn[0][2], mean, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(bn[0][3], variance, rtol=1e-5, atol=1e-7)
+
+    # distribute_datasets_from_function: process r is input pipeline r of 2, and with shard() it reads
+    # rows r, r + 2, ... of the data, four per step.
+    for r in range(2):
+        contexts = json.loads((tmp_path / f"contexts{r}.json").read_text())
+        assert contexts == [[2, r, 2]], contexts
+    shares = [[(x[r:32:2][i : i + 4], y[r:32:2][i : i + 4]) for i in range(0, 16, 4)] for r in range(2)]
+    want = simulate_replicas("adam", list(problem()[2:]), shares, 2)
+    sharded = [list(np.load(tmp_path / f"from_function{r}.npz").values()) for r in range(2)]
+    for got, theirs, w in zip(*sharded, want, strict=True):
+        np.testing.assert_array_equal(got, theirs)
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+
+    # mixed_float16, rank 1's share overflowing: the step is skipped on both, the loss scale halves,
+    # then both step and stay identical, with sync_every 1 and 2.
+    mixed = [json.loads((tmp_path / f"mixed{r}.json").read_text()) for r in range(2)]
+    for sync_every in ("1", "2"):
+        for r in range(2):
+            result = mixed[r][sync_every]
+            assert result["skipped"] == {"scale": 2.0**14, "iterations": 0, "unchanged": True}, (r, result)
+            assert result["iterations"] == int(sync_every), (r, result)
+        ranks = [list(np.load(tmp_path / f"mixed{sync_every}_{r}.npz").values()) for r in range(2)]
+        for mine, theirs in zip(*ranks, strict=True):
+            assert np.all(np.isfinite(mine))
+            np.testing.assert_array_equal(mine, theirs)
 
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])

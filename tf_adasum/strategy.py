@@ -108,6 +108,29 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             dataset = dataset.map(my_part)
         return super().experimental_distribute_dataset(dataset, options)
 
+    def distribute_datasets_from_function(self, dataset_fn: Any, options: Any = None) -> Any:
+        """As MultiWorkerMirroredStrategy: each process is one input pipeline of the job.
+
+        dataset_fn receives a tf.distribute.InputContext whose num_input_pipelines and
+        input_pipeline_id count processes and whose num_replicas_in_sync counts every replica of every
+        process, so `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)` and
+        `ctx.get_per_replica_batch_size(global_batch)` give each process its share.
+        """
+        if self.comm.size == 1:
+            return super().distribute_datasets_from_function(dataset_fn, options)
+        rank, size = self.comm.rank, self.comm.size
+
+        def for_this_process(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            return dataset_fn(
+                tf.distribute.InputContext(
+                    num_input_pipelines=size * context.num_input_pipelines,
+                    input_pipeline_id=rank * context.num_input_pipelines + context.input_pipeline_id,
+                    num_replicas_in_sync=size * context.num_replicas_in_sync,
+                )
+            )
+
+        return super().distribute_datasets_from_function(for_this_process, options)
+
     def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
         """As MultiWorkerMirroredStrategy: across all replicas of all processes.
 
