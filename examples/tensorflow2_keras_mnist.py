@@ -6,6 +6,7 @@
 #   4. offline data: scikit-learn's 8x8 digits instead of downloading MNIST;
 #   5. Keras 3 saves whole models as `.keras`, not `.h5`;
 #   6. the epoch and step counts are named constants, so that the tests can run a shorter schedule.
+#   7. TensorFlow's C++ INFO and WARNING log is turned off before TensorFlow is imported.
 # Everything else is Horovod's example as it stands.
 #
 # Run it with any of:
@@ -13,7 +14,11 @@
 #   mpirun -np 2 python examples/tensorflow2_keras_mnist.py
 #   python -m tf_adasum.run -np 2 examples/tensorflow2_keras_mnist.py
 
+import os
 import sys
+
+# tf_adasum: TensorFlow's C++ start-up log hidden (errors still show), unless the user set a level.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
 
