@@ -101,6 +101,50 @@ def callback(out: Path) -> None:
             "workers": getattr(comm, "workers", None),
         }
         save(out, f"callback_case{i}_", info, model.get_weights())
+    mixed_precision(out)
+
+
+def mixed_precision(out: Path) -> None:
+    """mixed_float16 with rank 1's first batch overflowing: every process skips that step."""
+    import tf_adasum.keras as hvd
+
+    x, y = (a / 10 for a in shard(tf_adasum.rank()))  # small enough for float16 at a loss scale of 2^15
+    if tf_adasum.rank() == 1:
+        x[:BATCH] *= 3e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for name, sync_every in (("callback", 1), ("callback", 2), ("distributed_optimizer", 2)):
+            callbacks: list[Any] = []
+            optimizer: Any = make_optimizer("sgd_momentum")
+            if name == "callback":
+                callbacks = [tf_adasum.AdasumCallback(sync_every=sync_every)]
+            else:
+                optimizer = hvd.DistributedOptimizer(
+                    optimizer, op=hvd.Adasum, backward_passes_per_step=sync_every
+                )
+            model = linear_model(tf_adasum.rank(), optimizer)
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks)
+            skipped = {
+                "scale": float(model.optimizer.dynamic_scale.numpy()),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "unchanged": all(
+                    np.array_equal(a, b) for a, b in zip(model.get_weights(), initial_weights(0), strict=True)
+                ),
+            }
+            steps = BATCH * (1 + sync_every)
+            model.fit(
+                x[BATCH:steps],
+                y[BATCH:steps],
+                batch_size=BATCH,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+            info = {"skipped": skipped, "iterations": int(model.optimizer.iterations.numpy())}
+            save(out, f"mixed_{name}{sync_every}_", info, model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
 
 
 def horovod(out: Path) -> None:

@@ -55,6 +55,16 @@ def check_callback_run(out: Path, p: int) -> None:
         atol = 3e-5 if kind == "adam" else 3e-6
         for got, w in zip(weights[0], want, strict=True):
             np.testing.assert_allclose(got, w, rtol=3e-5, atol=atol, err_msg=f"case {i}: {CASES[i]}")
+    # mixed_float16, rank 1's first batch overflowing: every rank skips that step and halves its loss
+    # scale (under AdasumCallback and DistributedOptimizer(op=Adasum)), then all step and sync alike.
+    for case, sync_every in (("callback", 1), ("callback", 2), ("distributed_optimizer", 2)):
+        infos, weights = load(out, f"mixed_{case}{sync_every}_", p)
+        for r in range(p):
+            assert infos[r]["skipped"] == {"scale": 2.0**14, "iterations": 0, "unchanged": True}, (case, r)
+            assert infos[r]["iterations"] == sync_every, (case, r, infos[r])
+            for got, first in zip(weights[r], weights[0], strict=True):
+                assert np.all(np.isfinite(got))
+                np.testing.assert_array_equal(got, first)
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, distributed
+from tf_adasum import _compat, agreement, distributed
 from tf_adasum.comm.base import UnevenDataError
 
 
@@ -227,13 +227,14 @@ class AdasumCallback(_CountsBatches):
                 "AdasumCallback is for one process per worker without a tf.distribute strategy; under a "
                 f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
             )
-        if isinstance(optimizer, WrappedOptimizer):
+        stepping = _compat.loss_scale_inner(optimizer)  # under mixed_float16, inside a LossScaleOptimizer
+        if isinstance(stepping, WrappedOptimizer):
             raise ValueError(
-                f"the model's optimizer is already a {type(optimizer).__name__}, which combines across "
+                f"the model's optimizer is already a {type(stepping).__name__}, which combines across "
                 "processes itself: use either it or AdasumCallback, not both"
             )
-        if getattr(vars(optimizer).get("apply"), "_tf_adasum_sync", False):
-            del optimizer.apply  # left by a fit that raised before on_train_end could restore it
+        if syncs_in_apply(stepping):
+            del stepping.apply  # left by a fit that raised before on_train_end could restore it
         distributed.init()
         check_equal_steps(self.params)
         variables = list(model.trainable_variables)
@@ -244,16 +245,19 @@ class AdasumCallback(_CountsBatches):
         self._anchors = [
             tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
         ]
-        anchors, local_step = self._anchors, optimizer.apply
+        # The sync extends the optimizer that steps, so that a step mixed precision skips for overflow
+        # skips the sync too. The skip is decided on every process at once (optimizer.finite_everywhere),
+        # since the sync is a collective.
+        anchors, local_step = self._anchors, stepping.apply
         every, distribution = self.sync_every, tf.distribute.get_strategy()
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
             local_step(grads, trainable_variables)
-            sync_if_due(distribution, variables, anchors, optimizer.iterations, every)
+            sync_if_due(distribution, variables, anchors, stepping.iterations, every)
 
         apply_then_sync._tf_adasum_sync = True  # type: ignore[attr-defined]
-        optimizer.apply = apply_then_sync
-        self._optimizer = optimizer
+        stepping.apply = apply_then_sync
+        self._optimizer = stepping
         self._started = False
         # A train function traced before (an earlier fit) would not contain the sync.
         model.make_train_function(force=True)
@@ -277,6 +281,11 @@ class AdasumCallback(_CountsBatches):
 
     def get_config(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "root": self.root}
+
+
+def syncs_in_apply(optimizer: keras.optimizers.Optimizer) -> bool:
+    """Whether AdasumCallback has extended this optimizer's apply with the sync (during fit)."""
+    return getattr(vars(optimizer).get("apply"), "_tf_adasum_sync", False)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -27,7 +27,7 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from tf_adasum import _compat, agreement, distributed
-from tf_adasum.callbacks import broadcast_variables, tf_variable
+from tf_adasum.callbacks import broadcast_variables, syncs_in_apply, tf_variable
 from tf_adasum.tree import adasum_tree
 
 COMPRESSIONS = ("none", "fp16")
@@ -471,5 +471,5 @@ def _value_of(variable: Any) -> Any:
 # Keras's LossScaleOptimizer decides to skip a step from the first replica's gradients; around a
 # tf_adasum optimizer it must decide from all of them.
 _compat.install_global_loss_scale_finiteness(
-    lambda optimizer: isinstance(optimizer, WrappedOptimizer), finite_everywhere
+    lambda optimizer: isinstance(optimizer, WrappedOptimizer) or syncs_in_apply(optimizer), finite_everywhere
 )
