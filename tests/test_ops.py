@@ -16,6 +16,20 @@ from tf_adasum import ops
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
 
+def _op_devices() -> list[Any]:
+    """The CPU; and the GPU, where TensorFlow sees one and the ops have GPU kernels (TF_ADASUM_CUDA=1)."""
+    if tf.config.list_physical_devices("GPU") and ops.built_with_cuda():
+        return ["CPU", pytest.param("GPU", marks=pytest.mark.gpu)]
+    return ["CPU"]
+
+
+@pytest.fixture(autouse=True, params=_op_devices())
+def device(request: pytest.FixtureRequest) -> Any:
+    """Every test here runs with its tensors on the CPU, and again on the GPU where there is one."""
+    with tf.device(f"/{request.param}:0"):
+        yield request.param
+
+
 # Conversions go through numpy and ml_dtypes: TensorFlow's own Cast flushes subnormals to zero.
 def _to_tf(values: list[np.ndarray], dtype: str) -> list[tf.Tensor]:
     return [tf.constant(np.asarray(v).astype(tf.as_dtype(dtype).as_numpy_dtype)) for v in values]

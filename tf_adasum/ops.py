@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +24,18 @@ REBUILD_HINT = "run `make build` in the tf_adasum checkout (or `pip install --no
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 _MARKER = re.compile(rb"TF_ADASUM_BUILT_FOR_TF=([^;\x00]*);")
+_GPU_MARKER = re.compile(rb"TF_ADASUM_GPU_KERNELS=([01]);")
+GPU_BUILD_HINT = (
+    "rebuild with `TF_ADASUM_CUDA=1 pip install --no-build-isolation -e .` (or `make build-gpu`), with "
+    "TensorFlow's GPU wheel and nvcc installed"
+)
+
+
+def built_with_cuda(path: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the compiled ops carry GPU kernels (a TF_ADASUM_CUDA=1 build), read without loading them."""
+    library = Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve()
+    match = _GPU_MARKER.search(library.read_bytes()) if library.is_file() else None
+    return bool(match and match.group(1) == b"1")
 
 
 def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
@@ -55,9 +68,16 @@ def _load(path: Path) -> ModuleType:
             f"{REBUILD_HINT}"
         )
     try:
-        return tf.load_op_library(str(path))
+        module = tf.load_op_library(str(path))
     except tf.errors.NotFoundError as error:
         raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
+    if tf.config.list_physical_devices("GPU") and not built_with_cuda(path):
+        warnings.warn(
+            f"{path} was built without GPU kernels: the fused Adasum ops run on the CPU, and TensorFlow "
+            f"copies GPU tensors there and back; {GPU_BUILD_HINT}",
+            stacklevel=3,
+        )
+    return module
 
 
 def as_tensor_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
