@@ -24,6 +24,49 @@ def coefficients(dot: float, a_sq: float, b_sq: float) -> tuple[float, float]:
     return ca, cb
 
 
+FLOAT32_COMBINE_LIMIT = 2.0**32  # kernels/adasum_core.h: kFloat32CombineLimit
+
+
+def _bfloat16_from_float32(f: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as float64 values (finite inputs)."""
+    bits = np.ascontiguousarray(f, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def _round_to_odd_float32(d: np.ndarray) -> np.ndarray:
+    """float64 to float32 with round-to-odd: rounding it on to 16 bits is one correct rounding of d."""
+    f = d.astype(np.float32)
+    bits = f.view(np.uint32).copy()
+    inexact = (f.astype(np.float64) != d) & np.isfinite(f)
+    bits[inexact & (np.abs(f.astype(np.float64)) > np.abs(d))] -= 1  # rounded away from zero: truncate
+    bits[inexact] |= 1
+    return bits.view(np.float32)
+
+
+def _round(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 or float32 values rounded once to dtype (nearest even), as float64."""
+    if dtype == "bfloat16":
+        single = values if values.dtype == np.float32 else _round_to_odd_float32(values)
+        return _bfloat16_from_float32(single)
+    return values.astype(dtype).astype(np.float64)
+
+
+def combined_as_the_kernels_round(a: np.ndarray, b: np.ndarray, row: np.ndarray, dtype: str) -> np.ndarray:
+    """Adasum>Combine for one (a.b, |a|^2, |b|^2) row, rounded exactly as the CPU and CUDA kernels round.
+
+    float32 and float64: ca a + cb b in float64, rounded once. float16 and bfloat16: in float32 (each
+    product and the sum rounded to float32, no FMA) while |ca| and |cb| are at most 2^32, else in
+    float64; rounded once to the dtype. a and b hold values of the dtype, as float64.
+    """
+    ca, cb = coefficients(*row)
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if dtype in ("float16", "bfloat16") and max(abs(ca), abs(cb)) <= FLOAT32_COMBINE_LIMIT:
+        products = np.float32(ca) * x.astype(np.float32), np.float32(cb) * y.astype(np.float32)
+        return _round(products[0] + products[1], dtype)
+    return _round(ca * x + cb * y, dtype)
+
+
 def adasum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
     """Returns (adasum(a, b) in float64, the largest |ca a| + |cb b|: the scale for tolerances)."""
     x = np.asarray(a, np.float64)

@@ -58,6 +58,19 @@ def test_adasum_pair_matches_oracle(dtype: str, case: Callable[..., Case], run: 
         assert np.all(np.abs(row - want) <= slack + 1e-300), f"dot_norms {row}, expected {want}"
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_rounds_as_the_kernels_contract_says(dtype: str, case: Callable[..., Case]) -> None:
+    # Given the same (a.b, |a|^2, |b|^2), the CPU and CUDA kernels round alike, to the last bit
+    # (tests/gpu/test_cuda.py checks the CUDA one against the same numpy rounding).
+    a_np, b_np = case(np.random.default_rng(11), dtype)
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    dot_norms = ops.adasum_dot_norms(a, b)
+    got = ops.adasum_combine(a, b, dot_norms)
+    for g, x, y, row in zip(_to_np(got), _to_np(a), _to_np(b), dot_norms.numpy(), strict=True):
+        np.testing.assert_array_equal(g, oracle.combined_as_the_kernels_round(x, y, row, dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exact_properties(dtype: str, run: Callable[..., Any]) -> None:
     rng = np.random.default_rng(3)

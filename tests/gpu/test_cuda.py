@@ -227,6 +227,22 @@ def test_pair_matches_the_oracle_on_the_gpu(cuda: tuple[ctypes.CDLL, Device], dt
         oracle.assert_adasum_close(g.astype(np.float64), x, y, dtype)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+@pytest.mark.parametrize("dtype", list(DTYPE_CODES))
+def test_combine_rounds_as_the_cpu_kernel(cuda: tuple[ctypes.CDLL, Device], dtype: str, case: Any) -> None:
+    # Given the same (a.b, |a|^2, |b|^2), bit for bit the rounding the CPU kernel is tested against in
+    # tests/test_ops.py: CPU and GPU combine alike. Their sums of squares differ in order, not in kind.
+    a, b = case(np.random.default_rng(11), dtype)
+    lib, dev = cuda
+    a_in = [rounded(np.asarray(x, np.float64), dtype) for x in a]
+    b_in = [rounded(np.asarray(y, np.float64), dtype) for y in b]
+    pair = Pair(lib, dev, a_in, b_in, dtype)
+    dot_norms = pair.run()
+    for out, x, y, row in zip(pair.out, a_in, b_in, dot_norms, strict=True):
+        want = oracle.combined_as_the_kernels_round(x, y, row, dtype)
+        np.testing.assert_array_equal(dev.download(out, dtype).reshape(want.shape), want)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))
 def test_exact_properties_on_the_gpu(cuda: tuple[ctypes.CDLL, Device], dtype: str) -> None:
     rng = np.random.default_rng(3)
