@@ -11,15 +11,12 @@ Every process gets the same arrays; AdasumStrategy hands each its share of every
 combines the model updates with Adasum and averages the logs over processes.
 """
 
-import os
+import tf_adasum  # first: TensorFlow then starts without its C++ start-up log
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
+# isort: split
 import keras
 import numpy as np
 from sklearn.datasets import load_digits
-
-import tf_adasum
 
 strategy = tf_adasum.AdasumStrategy()
 digits = load_digits()

@@ -12,17 +12,15 @@ ops (benchmarks/common.py).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from tf_adasum import ops  # first: TensorFlow then starts without its C++ start-up log
 
+# isort: split
 import keras
 import numpy as np
 import tensorflow as tf
-
-from tf_adasum import ops
 
 # The composite-ops baseline and the timer are the benchmarks' own: benchmarks/common.py.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

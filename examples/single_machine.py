@@ -4,16 +4,13 @@ Usage:
     python examples/single_machine.py            # all GPUs, or 4 logical CPUs when there is none
 """
 
-import os
+import tf_adasum  # first: TensorFlow then starts without its C++ start-up log
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
+# isort: split
 import keras
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
-
-import tf_adasum
 
 if not tf.config.list_physical_devices("GPU"):
     cpu = tf.config.list_physical_devices("CPU")[0]

@@ -6,7 +6,8 @@
 #   4. offline data: scikit-learn's 8x8 digits instead of downloading MNIST;
 #   5. Keras 3 saves whole models as `.keras`, not `.h5`;
 #   6. the epoch and step counts are named constants, so that the tests can run a shorter schedule.
-#   7. TensorFlow's C++ INFO and WARNING log is turned off before TensorFlow is imported.
+#   7. that import comes first, before TensorFlow's, so that the program starts without TensorFlow's
+#      C++ start-up log.
 # Everything else is Horovod's example as it stands.
 #
 # Run it with any of:
@@ -14,16 +15,13 @@
 #   mpirun -np 2 python examples/tensorflow2_keras_mnist.py
 #   python -m tf_adasum.run -np 2 examples/tensorflow2_keras_mnist.py
 
-import os
 import sys
 
-# tf_adasum: TensorFlow's C++ start-up log hidden (errors still show), unless the user set a level.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import tensorflow as tf
-
-# tf_adasum: the one import that changes.
+# tf_adasum: the one import that changes, first: it imports TensorFlow without its C++ start-up log.
 import tf_adasum.keras as hvd
+
+# isort: split
+import tensorflow as tf
 
 # tf_adasum: Horovod's schedule (24 epochs of 500 // size steps); tests set shorter ones.
 EPOCHS = 24

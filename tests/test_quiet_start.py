@@ -1,5 +1,6 @@
-"""`python -m tf_adasum.demo` starts without TensorFlow's C++ start-up log (tf_adasum/__init__.py), and
-only the demo: a log level the user set, or any other program, still gets TensorFlow's lines.
+"""`python -m tf_adasum.demo` and the examples start without TensorFlow's C++ start-up log
+(tf_adasum/_quiet.py), and only they: a log level the user set, or any other program, still gets
+TensorFlow's lines.
 
 Each run is a real process that imports TensorFlow and stops at argparse (a bad --replicas), a few
 seconds; the demo itself never trains here.
@@ -12,6 +13,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 # absl's prefix of an INFO or WARNING line, "I0000 00:00:1796036756.151368   16885 port.cc:153] ", and
 # the notice absl prints before its first line.
@@ -69,3 +72,23 @@ def test_only_absl_info_and_warning_lines_are_left_out(tmp_path: Path) -> None:
     assert "ImportError: this TensorFlow is broken" in done.stderr
     assert "absl::InitializeLog" not in done.stderr and "oneDNN" not in done.stderr
     assert "a warning" not in done.stderr
+
+
+def test_the_examples_and_the_demo_start_quietly_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tf_adasum import _quiet
+
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.delitem(sys.modules, "tensorflow")  # as before the program's first import
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    for argv, orig_argv, quiet in (
+        ([str(examples / "single_machine.py")], ["python", "examples/single_machine.py"], True),
+        (["-m"], ["python", "-m", "tf_adasum.demo"], True),
+        (["-m"], ["python", "-m", "pytest"], False),
+        (["train.py"], ["python", "train.py"], False),
+    ):
+        monkeypatch.setattr(sys, "argv", argv)
+        monkeypatch.setattr(sys, "orig_argv", orig_argv)
+        assert _quiet.wanted() is quiet, argv
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # a level the user chose wins
+    monkeypatch.setattr(sys, "argv", [str(examples / "single_machine.py")])
+    assert not _quiet.wanted()

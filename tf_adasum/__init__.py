@@ -1,35 +1,13 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3."""
 
 import importlib.metadata
-import os
-import sys
 
-# `python -m tf_adasum.demo` shows its own output, not TensorFlow's C++ start-up log, unless the user set
-# TF_CPP_MIN_LOG_LEVEL. The imports below import TensorFlow, so this comes first.
-if sys.argv[0] == "-m" and "tf_adasum.demo" in sys.orig_argv and "TF_CPP_MIN_LOG_LEVEL" not in os.environ:
+from tf_adasum import _quiet
 
-    def _import_tensorflow_quietly() -> None:
-        # Level 2 hides most of the start-up log, but TensorFlow logs its oneDNN notice through absl while
-        # its libraries load, before it reads the level (tensorflow/tensorflow#102212). So stderr goes to
-        # a file during that import, and comes back without absl's INFO and WARNING lines.
-        import re
-        import tempfile
-
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        absl_line = re.compile(r"WARNING: All log messages before absl::|[IW]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
-        stderr = os.dup(2)
-        with tempfile.TemporaryFile("w+") as log:
-            os.dup2(log.fileno(), 2)
-            try:
-                import tensorflow  # noqa: F401
-            finally:
-                sys.stderr.flush()
-                os.dup2(stderr, 2)
-                os.close(stderr)
-                log.seek(0)
-                sys.stderr.writelines(line for line in log if not absl_line.match(line))
-
-    _import_tensorflow_quietly()
+# The demo and the examples start without TensorFlow's C++ start-up log (see _quiet). The imports below
+# import TensorFlow, so this comes first.
+if _quiet.wanted():
+    _quiet.import_tensorflow_quietly()
 
 from tf_adasum import _compat, callbacks, ops
 from tf_adasum._compat import HookError
