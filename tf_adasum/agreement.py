@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_adasum import ops
 from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
+from tf_adasum.tree import describe_tensor
 
 SYNC, EPOCH_END = 0, 1
 
@@ -30,11 +31,6 @@ _WHAT_TO_DO = (
     "give every rank the same number of batches per epoch (equal shards, drop_remainder=True), or pass "
     "steps_per_epoch to fit"
 )
-
-
-def _describe_tensor(index: int, count: int, names: Sequence[str] | None) -> str:
-    name = f" ({names[index]})" if names is not None and index < len(names) else ""
-    return f"tensor {index} of {count}{name}"
 
 
 def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None = None) -> None:
@@ -68,7 +64,7 @@ def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None =
         return
     bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
     if bad:
-        where = "; ".join(f"rank {r}: {_describe_tensor(i, count, names)}" for r, i in bad)
+        where = "; ".join(f"rank {r}: {describe_tensor(i, count, names)}" for r, i in bad)
         raise NonFiniteUpdateError(
             f"the update of rank(s) {[r for r, _ in bad]} is not finite ({where} holds NaN or Inf); every "
             "rank stops at this step. Look for a diverging loss or a bad batch on that rank "
