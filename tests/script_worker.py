@@ -102,6 +102,25 @@ def callback(out: Path) -> None:
         }
         save(out, f"callback_case{i}_", info, model.get_weights())
     mixed_precision(out)
+    orthogonality(out)
+
+
+def orthogonality(out: Path) -> None:
+    """OrthogonalityMonitor under AdasumCallback: rank r's step moves one kernel along (r + 1) e_r, the
+    other along e_0 (as tests/test_monitor.py does with replicas)."""
+    rank, size = tf_adasum.rank(), tf_adasum.size()
+    orthogonal, parallel = keras.Input((size,)), keras.Input((size,))
+    zeros = {"use_bias": False, "kernel_initializer": "zeros"}
+    branches = [
+        keras.layers.Dense(1, name="orthogonal", **zeros)(orthogonal),
+        keras.layers.Dense(1, name="parallel", **zeros)(parallel),
+    ]
+    model = keras.Model([orthogonal, parallel], keras.layers.Add()(branches))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = [np.eye(size, dtype=np.float32)[rank : rank + 1] * (rank + 1), np.eye(size, dtype=np.float32)[:1]]
+    monitor = tf_adasum.callbacks.OrthogonalityMonitor(every=1)
+    model.fit(x, np.ones((1, 1), np.float32), verbose=0, callbacks=[tf_adasum.AdasumCallback(), monitor])
+    save(out, "orthogonality", monitor.values())
 
 
 def mixed_precision(out: Path) -> None:

@@ -55,6 +55,11 @@ def check_callback_run(out: Path, p: int) -> None:
         atol = 3e-5 if kind == "adam" else 3e-6
         for got, w in zip(weights[0], want, strict=True):
             np.testing.assert_allclose(got, w, rtol=3e-5, atol=atol, err_msg=f"case {i}: {CASES[i]}")
+    # OrthogonalityMonitor under AdasumCallback: orthogonal steps give 1, equal steps 1/p.
+    infos, _ = load(out, "orthogonality", p)
+    for values in infos:
+        assert values["orthogonality/orthogonal/kernel"] == pytest.approx(1.0, rel=1e-12), values
+        assert values["orthogonality/parallel/kernel"] == pytest.approx(1 / p, rel=1e-12), values
     # mixed_float16, rank 1's first batch overflowing: every rank skips that step and halves its loss
     # scale (under AdasumCallback and DistributedOptimizer(op=Adasum)), then all step and sync alike.
     for case, sync_every in (("callback", 1), ("callback", 2), ("distributed_optimizer", 2)):

@@ -1,6 +1,7 @@
 """Keras callbacks for scripts that run one process per worker (mpirun, horovodrun, tf_adasum.run).
 
 - AdasumCallback: the one line that turns a plain Keras script into Adasum data parallelism.
+- OrthogonalityMonitor: how orthogonal the replicas' updates were, per layer (the paper's Figure 1).
 - BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateWarmupCallback and
   LearningRateScheduleCallback: Horovod's callbacks (horovod/_keras/callbacks.py), for Keras 3.
 
@@ -218,7 +219,7 @@ class AdasumCallback(_CountsBatches):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         # Imported here: optimizer.py imports this module for broadcast_variables.
-        from tf_adasum.optimizer import WrappedOptimizer, sync_if_due
+        from tf_adasum.optimizer import WrappedOptimizer, sync_if_due, sync_stats
 
         super().on_train_begin(logs)
         model, optimizer = self.model, self.model.optimizer
@@ -253,7 +254,8 @@ class AdasumCallback(_CountsBatches):
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
             local_step(grads, trainable_variables)
-            sync_if_due(distribution, variables, anchors, stepping.iterations, every)
+            stats = sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
+            sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
 
         apply_then_sync._tf_adasum_sync = True  # type: ignore[attr-defined]
         stepping.apply = apply_then_sync
@@ -466,3 +468,94 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.warmup_epochs - 1 and self.verbose > 0 and distributed.rank() == 0:
             rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}.")
+
+
+class OrthogonalityMonitor(keras.callbacks.Callback):
+    """Reports, per trainable variable, how orthogonal the replicas' updates were at the last sync.
+
+    The value is `|adasum(d_1, ..., d_n)|^2 / sum_i |d_i|^2` over the n replicas (of every process) and
+    their deltas d_i since the previous sync: 1 when the updates were orthogonal, where Adasum adds
+    them; 1/n when they were all equal, where Adasum returns one of them; between for a mix. It is the
+    paper's Figure 1 diagnostic: how much of the extra replicas' work Adasum keeps.
+
+    Every `every` optimizer steps, and at each epoch end, the values go into `logs` as
+    `orthogonality/<variable path>`, with their mean over variables as `orthogonality`;
+    `history` keeps (step, values) for every report. A keras.callbacks.TensorBoard placed after this
+    callback in the list writes them as scalars. Works under AdasumStrategy, with AdasumOptimizer
+    (tf_adasum.keras.DistributedOptimizer(op=Adasum)), and with AdasumCallback.
+
+    Cost: the syncs record two squared norms per variable (one pass over each delta and over the
+    result) and, across processes, all-reduce one float64 per variable; the updates themselves are not
+    reduced a second time.
+
+    Args:
+        every: optimizer steps between two reports in the batch logs.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[tf_adasum.callbacks.OrthogonalityMonitor(every=100)])
+    """
+
+    def __init__(self, every: int = 100) -> None:
+        super().__init__()
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        self.every = every
+        self.history: list[tuple[int, dict[str, float]]] = []
+        self._stats: Any = None
+        self._optimizer: Any = None
+        self._next = every
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        from tf_adasum.optimizer import SyncStats, enable_sync_stats
+
+        model = self.model
+        self._optimizer = _compat.loss_scale_inner(model.optimizer)
+        with model.distribute_strategy.scope():
+            self._stats = SyncStats(list(model.trainable_variables))
+        enable_sync_stats(self._optimizer, self._stats)
+        model.make_train_function(force=True)  # one traced before would not record
+        self._next = (int(model.optimizer.iterations.numpy()) // self.every + 1) * self.every
+
+    def values(self) -> dict[str, float]:
+        """The orthogonality of each variable at the last sync, and their mean; empty before any sync."""
+        if self._stats is None or int(self._stats.syncs.numpy()) == 0:
+            return {}
+        deltas = self._stats.deltas_sq.numpy()
+        combined = self._stats.combined_sq.numpy()
+        out = {}
+        for name, d, c in zip(self._stats.names, deltas, combined, strict=True):
+            if d > 0:  # a variable that did not move has no direction
+                out[f"orthogonality/{name}"] = float(c / d)
+        if out:
+            out["orthogonality"] = float(np.mean(list(out.values())))
+        return out
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        step = int(self.model.optimizer.iterations.numpy())
+        if step < self._next:
+            return
+        self._next = (step // self.every + 1) * self.every  # steps_per_execution may jump past a multiple
+        values = self.values()
+        if values:
+            self.history.append((step, values))
+            if logs is not None:
+                logs.update(values)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        values = self.values()
+        if not values:
+            warnings.warn(
+                "OrthogonalityMonitor saw no Adasum sync this epoch: train under AdasumStrategy, with "
+                "AdasumOptimizer, or with AdasumCallback",
+                stacklevel=2,
+            )
+        elif logs is not None:
+            logs.update(values)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        from tf_adasum.optimizer import enable_sync_stats
+
+        if self._optimizer is not None:
+            enable_sync_stats(self._optimizer, None)
+            self.model.train_function = None  # the next fit traces one without the recording
+            self._optimizer = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import warnings
+import weakref
 from typing import Any
 
 import keras
@@ -26,9 +27,9 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from tf_adasum import _compat, agreement, distributed
+from tf_adasum import _compat, agreement, distributed, ops
 from tf_adasum.callbacks import broadcast_variables, syncs_in_apply, tf_variable
-from tf_adasum.tree import adasum_tree
+from tf_adasum.tree import adasum_tree, indices_by_dtype
 
 COMPRESSIONS = ("none", "fp16")
 
@@ -65,17 +66,72 @@ def _allreduce_compressed(tensors: list[Any], op: Any, compression: str, names: 
     return [tf.cast(r, t.dtype) for r, t in zip(reduced, tensors, strict=True)]
 
 
+class SyncStats:
+    """Per variable, at the last sync: the sum over every replica of |d_i|^2, and |adasum(d_1..d_n)|^2.
+
+    Their ratio is the orthogonality OrthogonalityMonitor reports: 1 when the replicas' updates were
+    orthogonal (Adasum adds them), 1/n when they were equal (Adasum returns one of them). Recorded only
+    while a monitor asks (enable_sync_stats), at the cost of one norm pass over each delta and over the
+    result, and across processes one all-reduce of one float64 per variable; the updates are not
+    reduced a second time.
+    """
+
+    def __init__(self, variables: list[Any]) -> None:
+        n = len(variables)
+        self.names = [getattr(v, "path", None) or v.name for v in variables]
+        # Created under the model's strategy: assigned once per sync, in cross-replica context.
+        self.deltas_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_deltas_sq")
+        self.combined_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_combined_sq")
+        self.syncs = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="adasum_syncs")
+
+    def record(self, deltas_sq: tf.Tensor, combined_sq: tf.Tensor) -> None:
+        self.deltas_sq.assign(deltas_sq)
+        self.combined_sq.assign(combined_sq)
+        self.syncs.assign_add(1)
+
+
+_STATS: weakref.WeakKeyDictionary[Any, SyncStats] = weakref.WeakKeyDictionary()
+
+
+def enable_sync_stats(optimizer: Any, stats: SyncStats | None) -> None:
+    """Makes the syncs of `optimizer` (an AdasumOptimizer, or one AdasumCallback extends) record stats.
+
+    Takes effect in train functions traced from now on; None stops the recording.
+    """
+    if stats is None:
+        _STATS.pop(optimizer, None)
+    else:
+        _STATS[optimizer] = stats
+
+
+def sync_stats(optimizer: Any) -> SyncStats | None:
+    return _STATS.get(optimizer)
+
+
+def squared_norms(tensors: list[Any]) -> tf.Tensor:
+    """|t|^2 of each tensor, in float64, with one fused kernel per dtype."""
+    out: list[Any] = [None] * len(tensors)
+    for index in indices_by_dtype(tensors):
+        group = [tensors[i] for i in index]
+        rows = ops.adasum_dot_norms(group, group)[:, 1]
+        for j, i in enumerate(index):
+            out[i] = rows[j]
+    return tf.stack(out) if out else tf.zeros([0], tf.float64)
+
+
 def sync_deltas(
     distribution: tf.distribute.Strategy,
     variables: list[Any],
     anchors: list[Any],
     compression: str = "none",
+    stats: SyncStats | None = None,
 ) -> tf.Tensor:
     """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
 
     The deltas since the last sync are combined with the contract tree over this process's replicas
     and, across processes, with tf_adasum.allreduce; every replica and every process then holds the
-    same weights, bitwise. Runs in cross-replica context (or with no strategy).
+    same weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
+    records the squared norms OrthogonalityMonitor reads.
     """
     per_variable = [_local_values(distribution, v) for v in variables]
     anchor_values = [_local_values(distribution, a)[0] for a in anchors]
@@ -85,9 +141,14 @@ def sync_deltas(
         for r in range(replicas)
     ]
     delta = adasum_tree(per_replica) if replicas > 1 else per_replica[0]
+    deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
     if distributed.init().size > 1:
         names = [getattr(v, "path", None) or v.name for v in variables]
         delta = _allreduce_compressed(delta, distributed.Adasum, compression, names)
+        if deltas_sq is not None:
+            deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
+    if stats is not None:
+        stats.record(deltas_sq, squared_norms(delta))
     for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
         synced = anchor_value + d
         for target in (variable, anchor):
@@ -104,15 +165,18 @@ def sync_if_due(
     iterations: Any,
     sync_every: int,
     compression: str = "none",
+    stats: SyncStats | None = None,
 ) -> None:
     """sync_deltas after every `sync_every`-th optimizer step (`iterations`, already incremented)."""
     # In cross-replica context: a cond here may contain the collectives of the sync.
     if sync_every == 1:
-        sync_deltas(distribution, variables, anchors, compression)
+        sync_deltas(distribution, variables, anchors, compression, stats)
         return
     due = tf.equal(tf.math.floormod(iterations, sync_every), 0)
     tf.cond(
-        due, lambda: sync_deltas(distribution, variables, anchors, compression), lambda: tf.constant(False)
+        due,
+        lambda: sync_deltas(distribution, variables, anchors, compression, stats),
+        lambda: tf.constant(False),
     )
 
 
@@ -361,7 +425,14 @@ class AdasumOptimizer(WrappedOptimizer):
         anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
         context.merge_call(
             sync_if_due,
-            args=(variables, anchors, self.inner_optimizer.iterations, self.sync_every, self.compression),
+            args=(
+                variables,
+                anchors,
+                self.inner_optimizer.iterations,
+                self.sync_every,
+                self.compression,
+                sync_stats(self),
+            ),
         )
 
     _REPLICA_KEY = "replicas_of_inner_"
