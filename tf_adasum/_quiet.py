@@ -1,4 +1,4 @@
-"""A quiet start for tf_adasum's own programs: the demo and the scripts in examples/.
+"""A quiet start for tf_adasum's own programs: the demo and the scripts in examples/ and benchmarks/.
 
 TensorFlow prints its C++ start-up log (the oneDNN notice, absl's "All log messages before
 absl::InitializeLog()") on import. TF_CPP_MIN_LOG_LEVEL=2 hides most of it, but the oneDNN notice is
@@ -17,16 +17,16 @@ import tempfile
 from pathlib import Path
 
 _ABSL_LINE = re.compile(r"WARNING: All log messages before absl::|[IW]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
-_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+_PROGRAMS = tuple(Path(__file__).resolve().parents[1] / folder for folder in ("examples", "benchmarks"))
 
 
 def wanted() -> bool:
-    """Whether this process is the demo or one of the examples, and the user has not chosen a level."""
+    """Whether this process is the demo, an example or a benchmark, and the user has chosen no level."""
     if "TF_CPP_MIN_LOG_LEVEL" in os.environ or "tensorflow" in sys.modules:
         return False
     if sys.argv and sys.argv[0] == "-m":  # while `python -m` imports the package of its module
         return "tf_adasum.demo" in getattr(sys, "orig_argv", [])
-    return bool(sys.argv and sys.argv[0]) and Path(sys.argv[0]).resolve().parent == _EXAMPLES
+    return bool(sys.argv and sys.argv[0]) and Path(sys.argv[0]).resolve().parent in _PROGRAMS
 
 
 def import_tensorflow_quietly() -> None:

@@ -1,0 +1,89 @@
+"""benchmarks/convergence.py: its vectorised replicas are the real strategies, step for step, and its
+smoke run goes end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adasum
+from tests.test_training import cpus
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import convergence  # noqa: E402
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("method", "kind"), [("adasum", "sgd"), ("adasum", "adam"), ("average", "sgd")])
+def test_the_vectorised_replicas_equal_the_strategy_step_for_step(method: str, kind: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    x = rng.random((STEPS * n * convergence.LOCAL_BATCH, 16, 16, 1), dtype=np.float32)
+    y = rng.integers(0, 10, len(x)).astype(np.int32)
+
+    def optimizer() -> keras.optimizers.Optimizer:
+        return convergence.make_optimizer(kind, convergence.WarmupLinearDecay(convergence.PEAK[kind] * 4, 10))
+
+    keras.utils.set_random_seed(0)
+    simulated = convergence.make_model()
+    start = simulated.get_weights()
+    replicas = convergence.Replicas(simulated, method, n, optimizer)
+    batches = x.reshape(STEPS, n, convergence.LOCAL_BATCH, 16, 16, 1), y.reshape(STEPS, n, -1)
+    history = []
+    for step in range(STEPS):
+        replicas.step(tf.constant(batches[0][step]), tf.constant(batches[1][step]))
+        history.append(simulated.get_weights())
+
+    if method == "adasum":
+        strategy: tf.distribute.Strategy = tf_adasum.AdasumStrategy(devices=cpus(n))
+    else:
+        strategy = tf.distribute.MirroredStrategy(
+            cpus(n), cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    with strategy.scope():
+        model = convergence.make_model()
+        model.set_weights(start)
+        model.compile(optimizer=optimizer(), loss=convergence.LOSS)
+    for step in range(STEPS):  # one global batch at a time, each replica its contiguous share
+        rows = slice(step * n * convergence.LOCAL_BATCH, (step + 1) * n * convergence.LOCAL_BATCH)
+        model.fit(x[rows], y[rows], batch_size=n * convergence.LOCAL_BATCH, shuffle=False, verbose=0)
+        for got, want in zip(model.get_weights(), history[step], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"step {step + 1}")
+    # ... and the steps moved the weights: the comparison is not between two untouched models.
+    assert not np.allclose(history[-1][0], start[0])
+
+
+def smoke(out: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
+    done = smoke(tmp_path / "out")
+    out = tmp_path / "out_smoke"
+    rows = convergence.read_rows(out / "results.csv")
+    assert {(r["optimizer"], r["method"]) for r in rows} == {
+        ("sgd", "average"),
+        ("sgd", "adasum"),
+        ("adam", "adasum"),
+        ("adam", "adasum_before"),
+    }
+    assert (out / "accuracy_vs_replicas.png").stat().st_size > 0
+    assert (out / "orthogonality.png").stat().st_size > 0
+    assert "optimizer method" in done.stdout
+    assert "12 runs, 0 already in" in done.stdout, done.stdout
+
+    again = smoke(tmp_path / "out")  # the same grid again: everything is in the CSV, nothing reruns
+    assert "12 runs, 12 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
+    assert len(convergence.read_rows(out / "results.csv")) == 12
