@@ -84,15 +84,16 @@ def make_model() -> keras.Model:
     return keras.Sequential(
         [
             keras.Input((16, 16, 1)),
-            keras.layers.Conv2D(6, 5, activation="relu"),
+            keras.layers.Conv2D(6, 5, activation="relu", name="conv1"),
             keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(16, 3, activation="relu", name="conv2"),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
-            keras.layers.Dense(120, activation="relu"),
-            keras.layers.Dense(84, activation="relu"),
-            keras.layers.Dense(10),
-        ]
+            keras.layers.Dense(120, activation="relu", name="dense1"),
+            keras.layers.Dense(84, activation="relu", name="dense2"),
+            keras.layers.Dense(10, name="logits"),
+        ],
+        name="lenet",
     )
 
 
@@ -268,11 +269,11 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
 
     figure, panels = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for panel, kind in zip(panels, ("sgd", "adam"), strict=True):
-        for method in METHODS[kind]:
-            chosen = [r for r in rows if r["optimizer"] == kind and r["method"] == method]
+        mine = [r for r in rows if r["optimizer"] == kind]
+        for method, color in zip(METHODS[kind], ("tab:blue", "tab:red"), strict=True):
+            # At N = 1 every method is the same run, stored under the first method.
+            chosen = [r for r in mine if r["method"] == method or int(r["replicas"]) == 1]
             ns = sorted({int(r["replicas"]) for r in chosen})
-            if not ns:
-                continue
             for tuned, style in ((False, "-o"), (True, "--^")):
                 means = []
                 for n in ns:
@@ -284,13 +285,13 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
                         means.append(max(np.mean(v) for v in by_multiplier.values()))
                     else:
                         means.append(np.mean(by_multiplier.get(1.0, [np.nan])))
-                label = f"{method}, {'best of the search' if tuned else 'one-replica rate'}"
-                panel.plot(ns, means, style, label=label)
+                label = f"{method}, {'best rate of the search' if tuned else 'one-replica rate'}"
+                panel.plot(ns, means, style, color=color, label=label)
         panel.set_xscale("log", base=2)
         panel.set_xlabel("replicas N")
         panel.set_title(f"{kind}: held-out accuracy after a fixed epoch budget")
         panel.legend(fontsize=8, loc="lower left")
-    panels[0].set_ylabel("validation accuracy")
+    panels[0].set_ylabel("validation accuracy (mean of the seeds)")
     panels[0].set_ylim(0, 1)
     figure.tight_layout()
     figure.savefig(out / "accuracy_vs_replicas.png", dpi=110)
@@ -298,7 +299,7 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
 
     if trace_rows:
         figure, axes = plt.subplots(figsize=(7, 4.2))
-        layers = sorted({r["variable"] for r in trace_rows})
+        layers = sorted({r["variable"] for r in trace_rows if r["variable"].endswith("kernel")})
         for layer in layers:
             points = [
                 (int(r["step"]), float(r["orthogonality"])) for r in trace_rows if r["variable"] == layer
@@ -308,7 +309,7 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
         axes.axhline(1 / n, color="grey", linestyle=":", linewidth=1, label="1/N (parallel updates)")
         axes.set_xlabel("step")
         axes.set_ylabel("|adasum(d)|² / Σ|d_i|²")
-        axes.set_title(f"orthogonality of the replicas' updates, per layer (SGD, Adasum, N = {n})")
+        axes.set_title(f"orthogonality of the replicas' updates, per layer's kernel (SGD, Adasum, N = {n})")
         axes.set_ylim(0, 1.05)
         axes.legend(fontsize=7)
         figure.tight_layout()

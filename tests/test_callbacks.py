@@ -210,9 +210,9 @@ def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.Monk
     traced_syncs: list[int] = []
     real_sync = optimizer_module.sync_if_due
 
-    def counting_sync(*args: Any) -> None:  # runs when the train step is traced
+    def counting_sync(*args: Any, **kwargs: Any) -> None:  # runs when the train step is traced
         traced_syncs.append(1)
-        real_sync(*args)
+        real_sync(*args, **kwargs)
 
     monkeypatch.setattr(optimizer_module, "sync_if_due", counting_sync)
     x, y, _, _ = problem()
