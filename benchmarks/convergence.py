@@ -57,7 +57,18 @@ tf.get_logger().setLevel("ERROR")  # pfor's note that Conv2DBackpropFilter runs 
 from tf_adasum.demo import augmented_digits  # noqa: E402
 
 LOCAL_BATCH = 32
-FIELDS = ["optimizer", "method", "replicas", "multiplier", "seed", "accuracy", "steps", "seconds"]
+FIELDS = [
+    "optimizer",
+    "method",
+    "replicas",
+    "multiplier",
+    "seed",
+    "epochs",
+    "peak",
+    "accuracy",
+    "steps",
+    "seconds",
+]
 METHODS = {"sgd": ["average", "adasum"], "adam": ["adasum", "adasum_before"]}
 PEAK = {"sgd": 0.01, "adam": 0.002}  # the one-replica peak learning rates, tuned once (see README)
 
@@ -218,14 +229,25 @@ def run(
         "replicas": n,
         "multiplier": multiplier,
         "seed": seed,
+        "epochs": epochs,
+        "peak": PEAK[kind],
         "accuracy": round(accuracy(model, x_val, y_val), 4),
         "steps": total,
         "seconds": round(time.perf_counter() - start, 1),
     }
 
 
-def key(row: dict[str, Any]) -> tuple[str, str, int, float, int]:
-    return (row["optimizer"], row["method"], int(row["replicas"]), float(row["multiplier"]), int(row["seed"]))
+def key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a run: rows of another budget or one-replica rate in the same CSV are other runs."""
+    return (
+        row["optimizer"],
+        row["method"],
+        int(row["replicas"]),
+        float(row["multiplier"]),
+        int(row["seed"]),
+        float(row["epochs"]),
+        float(row["peak"]),
+    )
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -344,7 +366,11 @@ def main() -> int:
     else:
         data = augmented_digits(ROOT / "demo_output" / "digits16_held_out.npz")
     results, traces = args.out / "results.csv", args.out / "orthogonality.csv"
-    done = {key(r) for r in read_rows(results)}
+
+    def this_grid(row: dict[str, Any]) -> bool:
+        return float(row["epochs"]) == args.epochs and float(row["peak"]) == PEAK[row["optimizer"]]
+
+    done = {key(r) for r in read_rows(results) if this_grid(r)}
     grid = [
         (kind, method, n, multiplier, seed)
         for kind in args.optimizers
@@ -354,7 +380,7 @@ def main() -> int:
         for seed in range(args.seeds)
         if not (n == 1 and method != METHODS[kind][0])  # at N = 1 every method is the same
     ]
-    todo = [g for g in grid if (g[0], g[1], g[2], float(g[3]), g[4]) not in done]
+    todo = [g for g in grid if (*g[:3], float(g[3]), g[4], float(args.epochs), PEAK[g[0]]) not in done]
     print(
         f"{len(data[1])} training, {len(data[3])} validation images; {len(grid)} runs, "
         f"{len(grid) - len(todo)} already in {results}",
@@ -398,7 +424,7 @@ def main() -> int:
             f"accuracy {row['accuracy']:.3f} in {row['seconds']:.0f} s; about {left / 60:.0f} min left",
             flush=True,
         )
-    rows = read_rows(results)
+    rows = [r for r in read_rows(results) if this_grid(r)]
     print("\n" + table(rows))
     plot(rows, read_rows(traces), args.out)
     plots = [str(args.out / name) for name in ("accuracy_vs_replicas.png", "orthogonality.png")]

@@ -169,6 +169,14 @@ def test_the_agreement_table_names_the_rank_and_the_tensor() -> None:
         agreement.check_table(np.array([[end, 5], [sync, -1]]))
     with pytest.raises(tf_adasum.UnevenDataError, match="rank 0: 5, rank 1: 6"):
         agreement.check_table(np.array([[end, 5], [end, 6]]))
+    # Mixed precision's check: one rank's overflow is an answer, not an error; meeting a rank at
+    # another check, or at its epoch end, is.
+    scale = agreement.LOSS_SCALE
+    agreement.check_table(np.array([[scale, 0], [scale, 1]]))
+    with pytest.raises(RuntimeError, match="rank 0: a model sync, rank 1: a mixed-precision check"):
+        agreement.check_table(np.array([[sync, -1], [scale, 0]]))
+    with pytest.raises(tf_adasum.UnevenDataError, match=r"rank\(s\) \[1\] ran out of data"):
+        agreement.check_table(np.array([[scale, 0], [end, 3]]))
 
 
 def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 import tomllib
 from keras.src import optimizers as keras_optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
@@ -69,6 +70,27 @@ def test_a_removed_hook_is_named_at_import_and_refused_on_use(
         assert found in str(raised.value) and "keras>=3.15,<3.16" in str(raised.value)
 
 
+def test_without_the_loss_scale_hook_the_callback_and_allreduce_optimizer_refuse_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(LossScaleOptimizer, "check_finite")
+    with pytest.raises(tf_adasum.HookError, match="one replica's overflow would not skip the step"):
+        tf_adasum.AdasumCallback()
+    with pytest.raises(tf_adasum.HookError, match="LossScaleOptimizer has no check_finite"):
+        tf_adasum.AllreduceOptimizer(keras.optimizers.SGD())
+
+
+def test_a_train_step_that_syncs_is_compiled_without_xla() -> None:
+    # Keras turns XLA on by default on a GPU host without a strategy; XLA cannot compile the sync.
+    x, y, _, _ = problem()
+    model = build_linear(tf.distribute.get_strategy(), lambda: tf_adasum.AdasumOptimizer(make_inner("adam")))
+    model.jit_compile = True
+    with pytest.warns(UserWarning, match=r"without XLA \(jit_compile=False\)"):
+        model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+    assert model.jit_compile is False
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
 def test_without_the_gradient_sum_hook_adasum_optimizer_refuses_to_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -104,7 +126,7 @@ def test_keras_optimizers_get_is_replaced_once_public_and_private_alike() -> Non
     get = keras.optimizers.get
     assert get is keras_optimizers.get
     assert get._tf_adasum_original.__module__ == "keras.src.optimizers"
-    tf_adasum.AdasumStrategy(devices=cpus(2))
+    _compat.install_optimizer_get(lambda optimizer: None)  # a second install changes nothing
     tf_adasum.AdasumStrategy(devices=cpus(2))
     assert keras.optimizers.get is get is keras_optimizers.get
     assert isinstance(keras.optimizers.get("sgd"), keras.optimizers.SGD)  # outside a strategy: untouched

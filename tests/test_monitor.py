@@ -82,12 +82,15 @@ def test_reports_every_n_steps_and_stops_recording_after_fit() -> None:
         assert values["orthogonality/orthogonal/kernel"] == pytest.approx(1.0, rel=1e-12)
         assert values["orthogonality/parallel/kernel"] == pytest.approx(1 / P, rel=1e-12)
     assert tf_adasum.optimizer.sync_stats(model.optimizer) is None
+    recorded = int(monitor._stats.syncs.numpy())
+    model.fit(x, y, batch_size=P, shuffle=False, verbose=0)  # without the monitor: nothing recorded
+    assert int(monitor._stats.syncs.numpy()) == recorded == 3
 
 
 def test_a_monitor_without_adasum_warns_and_bad_arguments_are_refused() -> None:
     model = two_branches(tf.distribute.get_strategy(), lambda: keras.optimizers.SGD(0.1))
     x, y = constructed_data()
-    with pytest.warns(UserWarning, match="OrthogonalityMonitor saw no Adasum sync"):
+    with pytest.warns(UserWarning, match="OrthogonalityMonitor has seen no Adasum sync"):
         model.fit(x, y, batch_size=P, verbose=0, callbacks=[tf_adasum.callbacks.OrthogonalityMonitor()])
     with pytest.raises(ValueError, match="every must be a positive integer, got 0"):
         tf_adasum.callbacks.OrthogonalityMonitor(every=0)

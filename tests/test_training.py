@@ -475,3 +475,43 @@ def test_a_train_step_without_adasum_under_the_strategy_is_refused() -> None:
         model.optimizer = make_inner("sgd_momentum")  # replaced after compile: nothing wraps it
     with pytest.raises(ValueError, match="AdasumStrategy is training with SGD, not an AdasumOptimizer"):
         model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_the_wrapper_follows_loss_scale_optimizer_and_reads_earlier_saves(tmp_path: Path) -> None:
+    x, y, _, _ = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, lambda: make_inner("adam"))
+    model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0)
+    optimizer = model.optimizer
+    assert optimizer.inner is optimizer.inner_optimizer
+    own = optimizer._variables
+    assert [id(v) for v in optimizer.variables] == [id(v) for v in own + optimizer.inner_optimizer.variables]
+
+    # The config says inner_optimizer now; a config that says inner, as before, still loads.
+    config = optimizer.get_config()
+    config["inner"] = config.pop("inner_optimizer")
+    with strategy.scope():
+        assert isinstance(
+            tf_adasum.AdasumOptimizer.from_config(config).inner_optimizer, keras.optimizers.Adam
+        )
+
+    # A store written before `variables` listed the inner optimizer's holds this optimizer's own only.
+    store: dict[str, Any] = {}
+    optimizer.save_own_variables(store)
+    earlier = {str(i): store[str(i)] for i in range(len(own))}
+    other = build_linear(strategy, lambda: make_inner("adam"))
+    with strategy.scope():
+        other.optimizer.build(other.trainable_variables)
+    other.optimizer.load_own_variables(earlier)
+    for got, want in zip(other.optimizer._variables, own, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())  # the anchors among them
+
+    # A tf.train.Checkpoint from before the rename calls the inner optimizer "inner": it restores.
+    before = tf.Module()
+    before.inner = optimizer.inner_optimizer
+    path = tf.train.Checkpoint(optimizer=before).save(tmp_path / "ckpt")
+    with strategy.scope():
+        fresh = tf_adasum.AdasumOptimizer(make_inner("adam"))
+        fresh.build(model.trainable_variables)
+    tf.train.Checkpoint(optimizer=fresh).restore(path).expect_partial()
+    assert int(fresh.inner_optimizer.iterations.numpy()) == 2

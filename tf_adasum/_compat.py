@@ -370,6 +370,8 @@ def install_step_hooks() -> None:
             _attribute: str = attribute,
             _kind: str = kind,
         ) -> Any:
+            if _kind == "train":
+                _without_xla(self)
             _original(self, force)
             function = getattr(self, _attribute, None)
             if function is not None and not hasattr(function, "_tf_adasum_original"):
@@ -384,6 +386,28 @@ def install_step_hooks() -> None:
             return getattr(self, _attribute)
 
         setattr(trainer, maker, _mark(make, original))
+
+
+def _without_xla(model: Any) -> None:
+    """Turns XLA off for a model whose train step syncs with tf_adasum, with a warning.
+
+    Keras compiles the train step with XLA by default on a GPU host without a strategy (AdasumCallback,
+    tf_adasum.keras); XLA has no kernels for tf_adasum's ops, the MPI engine's host calls or its
+    collectives, so the first step would fail to compile.
+    """
+    from tf_adasum.callbacks import syncs_in_apply
+    from tf_adasum.optimizer import WrappedOptimizer
+
+    optimizer = loss_scale_inner(getattr(model, "optimizer", None))
+    if optimizer is None or not getattr(model, "jit_compile", False):
+        return
+    if isinstance(optimizer, WrappedOptimizer) or syncs_in_apply(optimizer):
+        warnings.warn(
+            "tf_adasum: compiling this model's train step without XLA (jit_compile=False): XLA cannot "
+            "compile tf_adasum's ops and collectives",
+            stacklevel=4,
+        )
+        model.jit_compile = False
 
 
 # --- LossScaleOptimizer.check_finite ---------------------------------------------------------------
@@ -419,7 +443,7 @@ def install_global_loss_scale_finiteness(
 
 def loss_scale_inner(optimizer: Any) -> Any:
     """The optimizer a Keras LossScaleOptimizer wraps, or `optimizer` itself."""
-    if isinstance(optimizer, _loss_scale_optimizer()):
+    if optimizer is not None and isinstance(optimizer, _loss_scale_optimizer()):
         return optimizer.inner_optimizer
     return optimizer
 

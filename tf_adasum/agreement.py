@@ -8,8 +8,10 @@ waiting in the middle of the algorithm until the timeout. So each sync starts wi
     (SYNC, -1)          ready, update finite
     (SYNC, i)           ready, but tensor i of the update holds NaN or Inf
     (EPOCH_END, n)      this rank finished its epoch after n batches
+    (LOSS_SCALE, f)     mixed precision, before a step: f = 1 if this rank's gradients overflowed
 
-A rank at a sync and a rank at an epoch end meet in the same collective, so both see the mismatch.
+A rank at a sync and a rank at an epoch end meet in the same collective, so both see the mismatch; so
+do ranks at two different kinds of check, which would otherwise pair two different steps.
 Every rank builds its error from the same gathered table, so every rank raises the same error at the
 same step, eagerly or from inside a compiled train step.
 """
@@ -25,7 +27,9 @@ from tf_adasum import ops
 from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
 from tf_adasum.tree import describe_tensor
 
-SYNC, EPOCH_END = 0, 1
+SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
+
+_KINDS = {SYNC: "a model sync", EPOCH_END: "an epoch end", LOSS_SCALE: "a mixed-precision check"}
 
 _WHAT_TO_DO = (
     "give every rank the same number of batches per epoch (equal shards, drop_remainder=True), or pass "
@@ -48,7 +52,7 @@ def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None =
     """
     kinds, values = table[:, 0], table[:, 1]
     ended = [int(r) for r in np.flatnonzero(kinds == EPOCH_END)]
-    syncing = [int(r) for r in np.flatnonzero(kinds == SYNC)]
+    syncing = [int(r) for r in np.flatnonzero(kinds != EPOCH_END)]
     if ended and syncing:
         batches = ", ".join(f"rank {r} after {int(values[r])}" for r in ended)
         raise UnevenDataError(
@@ -61,6 +65,11 @@ def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None =
             raise UnevenDataError(
                 f"the ranks ran different numbers of batches this epoch ({batches}): {_WHAT_TO_DO}"
             )
+        return
+    if len(set(kinds.tolist())) > 1:
+        at = ", ".join(f"rank {r}: {_KINDS.get(int(k), k)}" for r, k in enumerate(kinds))
+        raise RuntimeError(f"the ranks are at different checks ({at}): their steps no longer match")
+    if kinds[0] == LOSS_SCALE:
         return
     bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
     if bad:

@@ -211,6 +211,8 @@ class AdasumCallback(_CountsBatches):
 
         super().__init__()
         check_sync_every(sync_every)
+        # Mixed precision's skip decision must be global, and errors inside steps translated.
+        _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step")
         if not isinstance(root, int) or root < 0:
             raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
         self.sync_every = sync_every
@@ -392,7 +394,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                     f"{type(self).__name__} could not find the number of steps per epoch: pass "
                     "steps_per_epoch to it (or to fit)"
                 )
-        momentum = getattr(self.model.optimizer, "inner", self.model.optimizer).__dict__.get("momentum")
+        stepping = _compat.loss_scale_inner(self.model.optimizer)
+        momentum = getattr(stepping, "inner_optimizer", stepping).__dict__.get("momentum")
         if self.momentum_correction and isinstance(momentum, float) and momentum != 0:
             warnings.warn(
                 f"{type(self).__name__}: momentum_correction cannot change the momentum of a Keras 3 "
@@ -482,7 +485,9 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
     `orthogonality/<variable path>`, with their mean over variables as `orthogonality`;
     `history` keeps (step, values) for every report. A keras.callbacks.TensorBoard placed after this
     callback in the list writes them as scalars. Works under AdasumStrategy, with AdasumOptimizer
-    (tf_adasum.keras.DistributedOptimizer(op=Adasum)), and with AdasumCallback.
+    (tf_adasum.keras.DistributedOptimizer(op=Adasum)), and with AdasumCallback. Across processes, add it
+    on every process: the recording joins a collective at every sync (a process without one is named in
+    a PeerError at train begin).
 
     Cost: the syncs record two squared norms per variable (one pass over each delta and over the
     result) and, across processes, all-reduce one float64 per variable; the updates themselves are not
@@ -509,6 +514,12 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
         from tf_adasum.optimizer import SyncStats, enable_sync_stats
 
         model = self.model
+        if distributed.init().size > 1:
+            # The recording adds a collective to every sync: a process without a monitor would not join
+            # it. Meeting here first turns that into an error at train begin, naming the missing rank.
+            distributed.init().allgather_object(
+                "monitor", "OrthogonalityMonitor start (add the monitor on every process)"
+            )
         self._optimizer = _compat.loss_scale_inner(model.optimizer)
         with model.distribute_strategy.scope():
             self._stats = SyncStats(list(model.trainable_variables))
@@ -545,8 +556,8 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
         values = self.values()
         if not values:
             warnings.warn(
-                "OrthogonalityMonitor saw no Adasum sync this epoch: train under AdasumStrategy, with "
-                "AdasumOptimizer, or with AdasumCallback",
+                "OrthogonalityMonitor has seen no Adasum sync that moved a variable in this fit: train "
+                "under AdasumStrategy, with AdasumOptimizer, or with AdasumCallback",
                 stacklevel=2,
             )
         elif logs is not None:

@@ -186,8 +186,8 @@ def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
     Mixed precision's LossScaleOptimizer asks this (see _compat.install_global_loss_scale_finiteness)
     when it wraps a tf_adasum optimizer, whose replicas keep their own gradients: a step is skipped
     everywhere, and the loss scale halved everywhere, when any replica overflowed. Across processes
-    the answer travels in the agreement collective, so a rank that has ended its epoch meets it and
-    both raise UnevenDataError instead of waiting.
+    the answer travels in the agreement collective (kind LOSS_SCALE), so a rank that has ended its
+    epoch meets it and both raise UnevenDataError instead of waiting.
     """
     finite = tf.convert_to_tensor(finite)
     context = tf.distribute.get_replica_context()
@@ -199,10 +199,10 @@ def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
     comm = distributed.init()
     if comm.size == 1:
         return finite
-    # -1 is "ready, finite" to the agreement; -2 is ready too, and marks this rank's overflow.
-    code = tf.where(finite, tf.constant(-1, tf.int64), tf.constant(-2, tf.int64))
-    table = agreement.agree(comm, agreement.SYNC, code, "mixed-precision finiteness check")
-    return tf.reduce_all(tf.equal(table[:, 1], -1))
+    # (LOSS_SCALE, 1) marks this rank's overflow; (LOSS_SCALE, 0) its finite gradients.
+    code = tf.where(finite, tf.constant(0, tf.int64), tf.constant(1, tf.int64))
+    table = agreement.agree(comm, agreement.LOSS_SCALE, code, "mixed-precision finiteness check")
+    return tf.reduce_all(tf.equal(table[:, 1], 0))
 
 
 class WrappedOptimizer(keras.optimizers.Optimizer):
@@ -229,6 +229,8 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         _compat.require_tensorflow_backend(type(self).__name__)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner
+        # tf.train.Checkpoint names children by attribute; checkpoints from before the rename say "inner".
+        self._track_trackable(inner, name="inner", overwrite=True)
 
     @property
     def inner(self) -> keras.optimizers.Optimizer:
@@ -257,6 +259,15 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
 
     def finalize_variable_values(self, var_list: list[Any]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
+
+    def load_own_variables(self, store: Any) -> None:
+        own = len(self._variables)
+        if len(store.keys()) == own != len(self.variables):
+            # Saved before `variables` listed the inner optimizer's too: this optimizer's own only.
+            for i, variable in enumerate(self._variables):
+                variable.assign(store[str(i)])
+            return
+        super().load_own_variables(store)
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -493,6 +504,8 @@ class AllreduceOptimizer(WrappedOptimizer):
         compression: str = "none",
     ) -> None:
         op = distributed.ReduceOp(op)
+        # Mixed precision's skip decision must be global: one rank skipping would average other steps.
+        _compat.require("LossScaleOptimizer.check_finite")
         if op is distributed.Adasum:
             raise ValueError("AllreduceOptimizer sums or averages gradients; for Adasum use AdasumOptimizer")
         super().__init__(inner, name=name or f"allreduce_{getattr(inner, 'name', 'optimizer')}")

@@ -154,7 +154,8 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             raise _compat.HookError(
                 f"Keras's {running} function ran {fn!r} through strategy.run, not the model's bound "
                 f"{running}_step that tf_adasum recognises (Keras {keras.__version__}): AdasumStrategy "
-                f"cannot check its optimizer or average its logs across processes. tf_adasum is tested with "
+                f"cannot check its optimizer or average its logs across processes. A decorator on train_step "
+                f"that hides its name does this too; otherwise, tf_adasum is tested with "
                 f"keras>={_compat.TESTED_KERAS[0]},<{_compat.TESTED_KERAS[1]}"
             )
         if step is None:
