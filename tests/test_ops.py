@@ -71,6 +71,21 @@ def test_combine_rounds_as_the_kernels_contract_says(dtype: str, case: Callable[
         np.testing.assert_array_equal(g, oracle.combined_as_the_kernels_round(x, y, row, dtype))
 
 
+def test_bfloat16_with_a_huge_coefficient_is_rounded_once_from_float64() -> None:
+    # Coefficients beyond 2^32 send bfloat16 through float64. ca = (1 + 2^-8 + 2^-30) 2^40 lies just
+    # above the midpoint between two bfloat16 values; float32 would round it onto the midpoint, and
+    # rounding that again to even would go down. Rounded once, it goes up.
+    ca = 2.0**40 + 2.0**32 + 2.0**10
+    a, b = _to_tf([np.ones(4)], "bfloat16"), _to_tf([np.zeros(4)], "bfloat16")
+    dot_norms = tf.constant([[2.0 - 2.0 * ca, 1.0, 0.0]], tf.float64)  # so 1 - a.b / (2 |a|^2) = ca
+    got = _to_np(ops.adasum_combine(a, b, dot_norms))[0]
+    np.testing.assert_array_equal(got, np.full(4, (1 + 2.0**-7) * 2.0**40))
+    row = dot_norms.numpy()[0]
+    np.testing.assert_array_equal(
+        oracle.combined_as_the_kernels_round(np.ones(4), np.zeros(4), row, "bfloat16"), got
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exact_properties(dtype: str, run: Callable[..., Any]) -> None:
     rng = np.random.default_rng(3)

@@ -243,6 +243,36 @@ def test_combine_rounds_as_the_cpu_kernel(cuda: tuple[ctypes.CDLL, Device], dtyp
         np.testing.assert_array_equal(dev.download(out, dtype).reshape(want.shape), want)
 
 
+def test_bfloat16_with_a_huge_coefficient_is_rounded_once_on_the_gpu(
+    cuda: tuple[ctypes.CDLL, Device],
+) -> None:
+    # As tests/test_ops.py checks on the CPU: ca = (1 + 2^-8 + 2^-30) 2^40, just above a bfloat16
+    # midpoint, must round up; rounding through float32 first would land on the midpoint and go down.
+    lib, dev = cuda
+    ca = 2.0**40 + 2.0**32 + 2.0**10
+    pair = Pair(lib, dev, [np.ones(4)], [np.zeros(4)], "bfloat16")
+    row = np.array([2.0 - 2.0 * ca, 1.0, 0.0])
+    pair.check(
+        lib.adasum_cuda_combine(
+            DTYPE_CODES["bfloat16"],
+            1,
+            pair.a_ptrs,
+            pair.b_ptrs,
+            row.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+            pair.out_ptrs,
+            pair.sizes,
+            dev.pointer(pair.workspace),
+            None,
+        )
+    )
+    dev.synchronize()
+    got = dev.download(pair.out[0], "bfloat16")
+    np.testing.assert_array_equal(got, np.full(4, (1 + 2.0**-7) * 2.0**40))
+    np.testing.assert_array_equal(
+        got, oracle.combined_as_the_kernels_round(np.ones(4), np.zeros(4), row, "bfloat16")
+    )
+
+
 @pytest.mark.parametrize("dtype", list(DTYPE_CODES))
 def test_exact_properties_on_the_gpu(cuda: tuple[ctypes.CDLL, Device], dtype: str) -> None:
     rng = np.random.default_rng(3)
