@@ -55,6 +55,7 @@ import tensorflow as tf  # noqa: E402
 tf.get_logger().setLevel("ERROR")  # pfor's note that Conv2DBackpropFilter runs as a loop, per trace
 
 from tf_adasum.demo import augmented_digits  # noqa: E402
+from tf_adasum.optimizer import squared_norms  # noqa: E402
 
 LOCAL_BATCH = 32
 FIELDS = [
@@ -178,11 +179,9 @@ class Replicas:
         self._record(deltas, combined)
 
     def _record(self, per_replica: list[list[tf.Tensor]], combined: list[tf.Tensor]) -> None:
-        def squared(tensors: list[tf.Tensor]) -> tf.Tensor:
-            return tf.stack([tf.reduce_sum(tf.square(tf.cast(t, tf.float64))) for t in tensors])
-
-        total = tf.add_n([squared(d) for d in per_replica])
-        self.orthogonality.assign(tf.math.divide_no_nan(squared(combined), total))
+        # OrthogonalityMonitor's measure, with the same fused norms the product's syncs record.
+        total = tf.add_n([squared_norms(d) for d in per_replica])
+        self.orthogonality.assign(tf.math.divide_no_nan(squared_norms(combined), total))
 
 
 def accuracy(model: keras.Model, x: np.ndarray, y: np.ndarray) -> float:

@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 
 import tf_adasum
-from tests.test_training import build_linear, cpus, digits_data, make_inner, problem, replica_values, simulate
+from tests.test_training import (
+    build_linear,
+    cpus,
+    digits_cnn,
+    digits_data,
+    make_inner,
+    problem,
+    replica_values,
+    simulate,
+)
 
 INITIAL_SCALE = 2.0**15
 
@@ -96,23 +105,9 @@ def test_without_overflow_mixed_precision_follows_the_float32_simulation(
 @pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
 def test_bfloat16_trains_the_digits_cnn(policy: str) -> None:
     x, y, x_val, y_val = digits_data()
-    keras.utils.set_random_seed(1)
     strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
-    with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((8, 8, 1)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Flatten(),
-                keras.layers.Dense(10),
-                keras.layers.Activation("linear", dtype="float32"),  # logits in float32, as Keras advises
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(3e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+    # Logits in float32, as Keras advises for mixed precision.
+    model = digits_cnn(strategy, after_logits=(keras.layers.Activation("linear", dtype="float32"),))
     assert model.layers[0].compute_dtype == "bfloat16"
     history = model.fit(x, y, batch_size=64, epochs=6, validation_data=(x_val, y_val), verbose=0)
     assert history.history["val_accuracy"][-1] > 0.9, history.history

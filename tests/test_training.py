@@ -176,25 +176,26 @@ def digits_data() -> tuple[np.ndarray, ...]:
     return x[:1500], y[:1500], x[1500:], y[1500:]
 
 
-def test_cnn_on_digits_trains_with_four_replicas() -> None:
-    x, y, x_val, y_val = digits_data()
+def digits_cnn(
+    strategy: tf.distribute.Strategy, after_conv: tuple[Any, ...] = (), after_logits: tuple[Any, ...] = ()
+) -> keras.Model:
+    """The small CNN the digits tests train (seeded), compiled with Adam under `strategy`."""
     keras.utils.set_random_seed(1)
-    strategy = tf_adasum.AdasumStrategy(devices=cpus(4))
     with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((8, 8, 1)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.BatchNormalization(),
-                keras.layers.Flatten(),
-                keras.layers.Dense(10),
-            ]
-        )
+        layers = [keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"), *after_conv]
+        model = keras.Sequential([*layers, keras.layers.Flatten(), keras.layers.Dense(10), *after_logits])
         model.compile(
             optimizer=keras.optimizers.Adam(3e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
+    return model
+
+
+def test_cnn_on_digits_trains_with_four_replicas() -> None:
+    x, y, x_val, y_val = digits_data()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(4))
+    model = digits_cnn(strategy, after_conv=(keras.layers.BatchNormalization(),))
     history = model.fit(x, y, batch_size=64, epochs=8, validation_data=(x_val, y_val), verbose=0)
     assert history.history["val_accuracy"][-1] > 0.9, history.history
 

@@ -501,10 +501,10 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
     """
 
     def __init__(self, every: int = 100) -> None:
+        from tf_adasum.optimizer import positive_integer  # optimizer.py imports this module
+
         super().__init__()
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive integer, got {every!r}")
-        self.every = every
+        self.every = positive_integer("every", every)
         self.history: list[tuple[int, dict[str, float]]] = []
         self._stats: Any = None
         self._optimizer: Any = None
@@ -514,12 +514,11 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
         from tf_adasum.optimizer import SyncStats, enable_sync_stats
 
         model = self.model
-        if distributed.init().size > 1:
+        comm = distributed.init()
+        if comm.size > 1:
             # The recording adds a collective to every sync: a process without a monitor would not join
             # it. Meeting here first turns that into an error at train begin, naming the missing rank.
-            distributed.init().allgather_object(
-                "monitor", "OrthogonalityMonitor start (add the monitor on every process)"
-            )
+            comm.allgather_object("monitor", "OrthogonalityMonitor start (add the monitor on every process)")
         self._optimizer = _compat.loss_scale_inner(model.optimizer)
         with model.distribute_strategy.scope():
             self._stats = SyncStats(list(model.trainable_variables))

@@ -44,11 +44,16 @@ def _dense(gradient: Any) -> Any:
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
+def positive_integer(name: str, value: Any) -> int:
+    """Returns value if it is a positive int (not a bool), else raises ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def check_sync_every(sync_every: Any) -> int:
     """The one check of `sync_every` for AdasumOptimizer, AdasumStrategy and AdasumCallback."""
-    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-        raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
-    return sync_every
+    return positive_integer("sync_every", sync_every)
 
 
 def _check_compression(compression: str) -> str:
