@@ -118,6 +118,20 @@ def make_optimizer(kind: str, learning_rate: Any) -> keras.optimizers.Optimizer:
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def stacked_gradients(model: keras.Model, x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
+    """Every replica's gradient of its own mean loss, in one vectorised pass: x[r] and y[r] are replica
+    r's batch; the result is [N, *shape] per trainable variable."""
+    weights = [v.value for v in model.trainable_variables]
+
+    def one(batch: tuple[tf.Tensor, tf.Tensor]) -> list[tf.Tensor]:
+        inputs, labels = batch
+        with tf.GradientTape() as tape:
+            loss = LOSS(labels, model(inputs, training=True))
+        return tape.gradient(loss, weights)
+
+    return tf.vectorized_map(one, (x, y))
+
+
 class Replicas:
     """N data-parallel replicas of `model` in one process, each with its own Keras optimizer.
 
@@ -145,19 +159,8 @@ class Replicas:
         self.orthogonality = tf.Variable(tf.zeros([len(self.weights)], tf.float64), trainable=False)
         self.step = tf.function(self._step)
 
-    def gradients(self, x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
-        """Every replica's gradient of its own mean loss, stacked: [N, *shape] per variable."""
-
-        def one(batch: tuple[tf.Tensor, tf.Tensor]) -> list[tf.Tensor]:
-            images, labels = batch
-            with tf.GradientTape() as tape:
-                loss = LOSS(labels, self.model(images, training=True))
-            return tape.gradient(loss, self.weights)
-
-        return tf.vectorized_map(one, (x, y))
-
     def _step(self, x: tf.Tensor, y: tf.Tensor) -> None:
-        grads = self.gradients(x, y)
+        grads = stacked_gradients(self.model, x, y)
         per_replica = [[g[r] for g in grads] for r in range(self.n)]
         if self.method == "average":
             self.shared.apply([tf.reduce_mean(g, 0) for g in grads], self.model.trainable_variables)
