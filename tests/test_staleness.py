@@ -3,6 +3,7 @@ is the synchronous harness exactly, and its smoke run goes end to end."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,24 @@ def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
 
     again = smoke(tmp_path / "out")
     assert "22 runs, 22 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
+
+
+def test_a_real_parameter_server_run_on_localhost_trains_asynchronously(tmp_path: Path) -> None:
+    """benchmarks/parameter_server.py: one parameter server and two workers, real processes on
+    127.0.0.1, Keras 3 under ParameterServerStrategy with a ClusterCoordinator."""
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "parameter_server.py"),
+        "--smoke",
+        "--timeout",
+        "150",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["workers"] == 2 and row["steps"] > 0
+    assert row["counted_steps"] == row["steps"]  # every scheduled step ran and was counted once
+    assert 0 <= row["mean_staleness"] <= row["max_staleness"] < row["steps"]
+    assert 0 <= row["accuracy"] <= 1
