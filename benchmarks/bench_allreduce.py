@@ -12,6 +12,11 @@ ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in thi
     ratio        adasum_ms / sum_ms
     horovod_ms   hvd.allreduce(op=hvd.Adasum) of the same data, when Horovod with MPI is importable
                  and the number of ranks is a power of two (Horovod's Adasum refuses others)
+    sent_mb      (MPI) the most any rank sent in one Adasum call: exchanges and block sums
+    bound_mb     2 (P - 1) / P times the data, what each rank must send in a bandwidth-optimal
+                 all-reduce (reduce-scatter then all-gather)
+
+For the cost table in benchmarks/README.md: --megabytes 1 4 16 64 256 at 2, 3 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -91,6 +96,13 @@ def main() -> None:
             lambda t=tensors: [x.numpy() for x in tf_adasum.allreduce(t)], args.repeats, before=barrier
         )
         sum_ms = median_ms(sum_fn, args.repeats, before=barrier)
+        sent = None
+        if comm.engine == "mpi":
+            from mpi4py import MPI
+
+            before = comm.bytes_sent
+            tf_adasum.allreduce(tensors)
+            sent = MPI.COMM_WORLD.allreduce(comm.bytes_sent - before, op=MPI.MAX)
         row = {"case": name, "engine": comm.engine, "ranks": comm.size, "tensors": len(shapes)}
         row |= {"megabytes": round(4 * sum(int(np.prod(s)) for s in shapes) / 2**20, 1)}
         row |= {
@@ -98,6 +110,12 @@ def main() -> None:
             "sum_ms": round(sum_ms, 2),
             "ratio": round(adasum_ms / sum_ms, 2),
         }
+        if sent is not None:
+            size = 4 * sum(int(np.prod(s)) for s in shapes)
+            row |= {
+                "sent_mb": round(sent / 2**20, 2),
+                "bound_mb": round(2 * (comm.size - 1) / comm.size * size / 2**20, 2),
+            }
         if horovod is not None:
             row["horovod_ms"] = round(
                 median_ms(lambda t=tensors: horovod(t), args.repeats, before=barrier), 2

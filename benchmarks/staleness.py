@@ -14,7 +14,10 @@ the staleness (k = N workers: (N - 1)/N on average). This simulates that server 
     global_adasum  as global, but the k gradients are combined by tf_adasum.adasum_tree, the product's
                    contract tree, instead of summed;
 - staleness: every pushed gradient was computed on the weights of `s` server updates ago, with `s`
-  constant or drawn per push, uniformly from 0..2s (mean s);
+  constant or drawn per push, uniformly from 0..2s (mean s). With a constant s, local and global are
+  the same run (k gradients of the same weights, one mean), so local runs only with drawn staleness.
+  The paper's settings, with N = 4 equal-speed workers, are async and local at s = 3 and global at a
+  mean of 0.75 (three of every four pushes 1 update stale, one fresh);
 - "sum" is the sum scaled by 1/k, the mean, as MirroredStrategy does: with staleness 0, global is
   exactly synchronous SGD over k replicas and global_adasum exactly synchronous Adasum of the k
   gradients (Horovod's op=Adasum), which tests/test_staleness.py checks against
@@ -305,13 +308,14 @@ def settings(stalenesses: Sequence[int], drawn: Sequence[int]) -> list[tuple[int
 
 
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every run to do, as CSV keys. With staleness 0, local is global's run (the same k gradients
-    of the same weights, the same mean), so it is not run twice."""
+    """Every run to do, as CSV keys. With a constant staleness, local is global's run (the same k
+    gradients of the same weights, the same mean), so it runs only with drawn staleness: there a
+    local push has one draw for its k gradients, and global's k pushes one each."""
     runs = []
     for experiment in args.experiments:
         for s, draw in settings(args.staleness, args.drawn):
             for mode in modes(args.k):
-                if s == 0 and mode == "local":
+                if draw == "constant" and mode == "local":
                     continue
                 for multiplier in args.multipliers:
                     for seed in range(args.seeds):
@@ -332,11 +336,11 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], dict[float, list[float]]]:
-    """(experiment, mode, staleness, draw) -> multiplier -> accuracies. Staleness 0's global run
-    stands for local too."""
+    """(experiment, mode, staleness, draw) -> multiplier -> accuracies. A constant staleness's
+    global run stands for local too."""
     groups: dict[tuple[str, str, str, str], dict[float, list[float]]] = {}
     for row in rows:
-        names = [row["mode"]] + (["local"] if row["mode"] == "global" and row["staleness"] == "0" else [])
+        names = [row["mode"]] + (["local"] if row["mode"] == "global" and row["draw"] == "constant" else [])
         for mode in names:
             cell = groups.setdefault((row["experiment"], mode, row["staleness"], row["draw"]), {})
             cell.setdefault(float(row["multiplier"]), []).append(float(row["accuracy"]))

@@ -54,6 +54,9 @@ class MPICommunicator(Communicator):
         local.Free()
         cross.Free()
         self._groups: dict[tuple[int, ...], Any] = {}
+        # Payload bytes this rank has sent in exchanges and block sums, the Adasum traffic (for the
+        # benchmarks' cost table; MPI's own collectives may move more for the block sums).
+        self.bytes_sent = 0
 
     def prepare_groups(self, groups: Sequence[Sequence[int]]) -> None:
         """Creates the sub-communicators for `groups` (those containing this rank), in order.
@@ -107,6 +110,7 @@ class MPICommunicator(Communicator):
         return [np.ascontiguousarray(array).reshape(-1).view(np.uint8), MPI.BYTE]
 
     def _sendrecv(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        self.bytes_sent += send.nbytes
         requests = [
             self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
             self._comm.Isend(self._bytes(send), dest=peer, tag=7),
@@ -137,6 +141,7 @@ class MPICommunicator(Communicator):
 
         def run(x: np.ndarray) -> np.ndarray:
             out = np.empty_like(x)
+            self.bytes_sent += x.nbytes
             self._wait([sub.Iallreduce(x, out, op=self._mpi.SUM)], what, f"ranks {list(key)}")
             return out
 
