@@ -6,14 +6,22 @@ tf.distribute.experimental.ParameterServerStrategy, so their variables live on t
 and a tf.distribute.coordinator.ClusterCoordinator schedules train steps onto whichever worker is
 free. Each step reads the weights from the server, computes a gradient on the worker, and applies the
 optimizer to the server's variables (Adam's moments live there, as in the paper); nothing waits for
-the other workers, so gradients are stale by the updates that landed in between.
+the other workers, so gradients are stale by the updates that landed in between. Unlike the paper's
+server, this one does not apply updates one at a time: Keras 3's assign_add is assign(self + value),
+a read and a write, so steps that apply at once lose some of each other's updates to the weights and
+to Adam's moments, and Keras's own step counter (which drives the learning-rate schedule and Adam's
+bias correction) falls behind the steps taken.
 
 This launches one parameter server and `--workers` workers as separate processes (tf.distribute.Server
 on free 127.0.0.1 ports), trains one of benchmarks/staleness.py's experiments for `--epochs`, and
-reports the accuracy, the staleness each step measured (an atomic step counter read when the step
-began and incremented after it applied), and how many steps Keras's own counter kept. Everything is bounded by
-`--timeout`: a worker that dies makes the coordinator wait for it to come back, so the deadline is
-what ends that.
+reports the accuracy, the staleness the steps measured, and how many steps Keras's own counter kept.
+Staleness is measured with an atomic counter, read when a step begins and incremented after its
+writes: the steps counted in between. That is an approximation: the weights are not read as one
+snapshot, and a step that lands while this one writes is counted too.
+
+Everything is bounded by `--timeout`: a worker that dies makes the coordinator wait for it to come
+back, so the deadline is what ends that; a watchdog thread ends the run 30 s later if TensorFlow does
+not return to Python, and the servers die with this process (PR_SET_PDEATHSIG).
 
 Usage:
     python benchmarks/parameter_server.py                        # the transformer, 2 workers
@@ -29,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -46,7 +55,13 @@ def free_port() -> int:
 
 
 def serve(cluster: dict[str, list[str]], job: str, index: int) -> None:
-    """A parameter server or worker: a TensorFlow server that runs what the coordinator sends it."""
+    """A parameter server or worker: a TensorFlow server that runs what the coordinator sends it,
+    until the coordinator's process ends (then the kernel kills it: no orphans)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the line above
+        return
     import tensorflow as tf
 
     tf.distribute.Server(
@@ -71,6 +86,13 @@ def train(args: argparse.Namespace, cluster: dict[str, list[str]]) -> dict[str, 
     spec = staleness.EXPERIMENTS[args.experiment]
     x, y, x_val, y_val = staleness.load_data(args.experiment, args.out, args.smoke)
     steps = max(1, int(len(y) // staleness.BATCH * args.epochs))
+
+    def dataset() -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(y)).repeat().batch(staleness.BATCH)
+
+    # Made before the global seed is set, so each worker's shuffle draws its own seed and the workers
+    # read the data in different orders.
+    batches = iter(coordinator.create_per_worker_dataset(dataset))
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = spec.model()
@@ -79,11 +101,6 @@ def train(args: argparse.Namespace, cluster: dict[str, list[str]]) -> dict[str, 
         # Keras's own step counter is no clock here: Keras 3's assign_add is assign(self + value), a
         # read and a write, so concurrent steps lose increments (and updates); this one is atomic.
         clock = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def dataset() -> tf.data.Dataset:
-        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(y)).repeat().batch(staleness.BATCH)
-
-    batches = iter(coordinator.create_per_worker_dataset(dataset))
 
     @tf.function
     def step(iterator: Any) -> Any:
@@ -104,6 +121,7 @@ def train(args: argparse.Namespace, cluster: dict[str, list[str]]) -> dict[str, 
     coordinator.join()
     seconds = time.perf_counter() - start
     measured = np.array([int(r.fetch()) for r in results])
+    # Model.predict would distribute itself over the strategy; a plain call reads the server's weights.
     logits = np.concatenate([model(x_val[i : i + 1024], training=False) for i in range(0, len(y_val), 1024)])
     return {
         "experiment": args.experiment,
@@ -156,8 +174,31 @@ def main() -> int:
     def expire(*_: Any) -> None:
         raise TimeoutError(f"the parameter-server run took longer than --timeout {args.timeout:g} s")
 
+    def stop(code: int) -> None:
+        for server in servers:
+            server.kill()
+        for server in servers:
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # TensorFlow's exit would now retry RPCs to the servers just stopped and log a page of errors.
+        os._exit(code)
+
+    def watchdog() -> None:
+        print(
+            f"the parameter-server run did not return within --timeout {args.timeout:g} s + 30 s",
+            file=sys.stderr,
+        )
+        stop(124)
+
     signal.signal(signal.SIGALRM, expire)
     signal.alarm(int(args.timeout))
+    backstop = threading.Timer(args.timeout + 30, watchdog)
+    backstop.daemon = True
+    backstop.start()
     code = 1
     try:
         print(json.dumps(train(args, cluster)), flush=True)
@@ -166,14 +207,7 @@ def main() -> int:
         traceback.print_exc()
     finally:
         signal.alarm(0)
-        for server in servers:
-            server.kill()
-        for server in servers:
-            server.wait(timeout=30)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # TensorFlow's exit would now retry RPCs to the servers just stopped and log a page of errors.
-        os._exit(code)
+        stop(code)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,26 @@ the staleness (k = N workers: (N - 1)/N on average). This simulates that server 
     local          each worker sums k gradients of its pulled weights before it pushes (Ott et al.);
     global         the server waits for k pushed gradients and steps once on their sum;
     global_adasum  as global, but the k gradients are combined by tf_adasum.adasum_tree, the product's
-                   contract tree, instead of summed;
+                   contract tree, instead of summed: Adasum of raw gradients, then the server's one
+                   optimizer (a parameter server holds the only optimizer state, so Adasum cannot go
+                   after it here as AdasumStrategy puts it);
 - staleness: every pushed gradient was computed on the weights of `s` server updates ago, with `s`
   constant or drawn per push, uniformly from 0..2s (mean s). With a constant s, local and global are
-  the same run (k gradients of the same weights, one mean), so local runs only with drawn staleness.
-  The paper's settings, with N = 4 equal-speed workers, are async and local at s = 3 and global at a
-  mean of 0.75 (three of every four pushes 1 update stale, one fresh);
+  the same run (k gradients of the same weights, one mean), so local runs only with drawn staleness;
+- the paper's setting, "round_robin" with s = N - 1: N = k equal-speed workers taking turns. Async and
+  local pushes are then N - 1 updates stale (the constant-s runs), and of every k pushes that global
+  accumulation combines, k - 1 are 1 update stale and one is fresh: the paper's mean of 0.75 at N = 4;
 - "sum" is the sum scaled by 1/k, the mean, as MirroredStrategy does: with staleness 0, global is
   exactly synchronous SGD over k replicas and global_adasum exactly synchronous Adasum of the k
-  gradients (Horovod's op=Adasum), which tests/test_staleness.py checks against
+  gradients before the optimizer (convergence.py's adasum_before; Horovod's DistributedOptimizer with
+  op=Adasum combines gradients too), which tests/test_staleness.py checks against
   benchmarks/convergence.py's replicas. Adam cannot see the 1/k; for SGD the learning-rate sweep
   absorbs it.
 
 Two experiments, each over a learning-rate sweep (the paper's Table 1) and several seeds, with the
 same number of examples for every mode, so a mode with k-gradient steps takes k times fewer steps:
 - cnn: the convergence study's LeNet-like CNN on digits, momentum SGD (0.9);
-- transformer: a 2-layer Transformer encoder classifier (36k parameters) with Adam (beta_2 = 0.98,
+- transformer: a 2-layer Transformer encoder classifier (18k parameters) with Adam (beta_2 = 0.98,
   as the paper), on a task generated here: the first of 12 tokens is a position p, and the label is
   the token at p, which needs attention to a position chosen by content.
 
@@ -130,7 +134,12 @@ class Server:
         """One optimizer step from `accumulate` pushes; push j was pulled `staleness[j]` updates ago
         and carries `local` gradients, of x[j * local + i], y[j * local + i]. Returns the staleness
         each push really had (at the start there are fewer versions to be stale by)."""
-        local = self.mode.local
+        local, kept = self.mode.local, self.versions.maxlen - 1
+        if len(staleness) != self.mode.accumulate or max(staleness) > kept:
+            raise ValueError(
+                f"expected {self.mode.accumulate} staleness values of at most {kept} (the versions "
+                f"kept), got {list(staleness)}"
+            )
         ages = [min(s, len(self.versions) - 1) for s in staleness]
         groups, rows = [], []
         for age in sorted(set(ages)):
@@ -146,8 +155,13 @@ class Server:
 
 
 def draw_staleness(rng: np.random.Generator, s: int, draw: str, count: int) -> list[int]:
-    if draw == "constant":
+    """The staleness of the `count` pushes of one update."""
+    if draw == "constant" or (draw == "round_robin" and count == 1):
         return [s] * count
+    if draw == "round_robin":  # s + 1 workers in turn, the server waiting for one push from each
+        if count != s + 1:
+            raise ValueError(f"round_robin: {s + 1} workers take turns, so accumulate {s + 1}, not {count}")
+        return [1] * s + [0]
     return [int(a) for a in rng.integers(0, 2 * s + 1, count)]
 
 
@@ -224,6 +238,8 @@ def batches(
 ) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
     """`total` updates' worth of [per_update, BATCH, ...] batches, each epoch in a new order."""
     per_epoch = len(y) // (per_update * BATCH)
+    if per_epoch == 0:
+        raise ValueError(f"{len(y)} examples make no update of {per_update} batches of {BATCH}")
     done = 0
     while done < total:
         order = rng.permutation(len(y))[: per_epoch * per_update * BATCH]
@@ -303,6 +319,9 @@ def key(row: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"{float(row[f]):g}" if f in ("multiplier", "epochs", "peak") else str(row[f]) for f in KEY)
 
 
+DRAWS = ("constant", "uniform", "round_robin")
+
+
 def settings(stalenesses: Sequence[int], drawn: Sequence[int]) -> list[tuple[int, str]]:
     return [(s, "constant") for s in stalenesses] + [(s, "uniform") for s in drawn]
 
@@ -311,38 +330,47 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run to do, as CSV keys. With a constant staleness, local is global's run (the same k
     gradients of the same weights, the same mean), so it runs only with drawn staleness: there a
     local push has one draw for its k gradients, and global's k pushes one each."""
-    runs = []
+    cells = []
     for experiment in args.experiments:
         for s, draw in settings(args.staleness, args.drawn):
             for mode in modes(args.k):
                 if draw == "constant" and mode == "local":
                     continue
-                for multiplier in args.multipliers:
-                    for seed in range(args.seeds):
-                        runs.append(
-                            {
-                                "experiment": experiment,
-                                "mode": mode,
-                                "k": args.k,
-                                "staleness": s,
-                                "draw": draw,
-                                "multiplier": multiplier,
-                                "seed": seed,
-                                "epochs": args.epochs or EXPERIMENTS[experiment].epochs,
-                                "peak": EXPERIMENTS[experiment].peak,
-                            }
-                        )
-    return runs
+                cells.append((experiment, mode, s, draw))
+        if args.round_robin:  # async and local there are the constant runs at s = k - 1
+            cells += [(experiment, mode, args.k - 1, "round_robin") for mode in ("global", "global_adasum")]
+    return [
+        {
+            "experiment": experiment,
+            "mode": mode,
+            "k": args.k,
+            "staleness": s,
+            "draw": draw,
+            "multiplier": multiplier,
+            "seed": seed,
+            "epochs": args.epochs or EXPERIMENTS[experiment].epochs,
+            "peak": EXPERIMENTS[experiment].peak,
+        }
+        for experiment, mode, s, draw in cells
+        for multiplier in args.multipliers
+        for seed in range(args.seeds)
+    ]
 
 
 def grouped(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], dict[float, list[float]]]:
     """(experiment, mode, staleness, draw) -> multiplier -> accuracies. A constant staleness's
-    global run stands for local too."""
+    global run stands for local too; at s = k - 1 the constant async and local runs are also the
+    round-robin setting's (k workers in turn)."""
     groups: dict[tuple[str, str, str, str], dict[float, list[float]]] = {}
     for row in rows:
-        names = [row["mode"]] + (["local"] if row["mode"] == "global" and row["draw"] == "constant" else [])
-        for mode in names:
-            cell = groups.setdefault((row["experiment"], mode, row["staleness"], row["draw"]), {})
+        targets = [(row["mode"], row["draw"])]
+        if row["draw"] == "constant" and row["mode"] in ("async", "global"):
+            as_local = "local" if row["mode"] == "global" else "async"
+            targets += [("local", "constant")] if row["mode"] == "global" else []
+            if int(row["staleness"]) == int(row["k"]) - 1:
+                targets.append((as_local, "round_robin"))
+        for mode, draw in targets:
+            cell = groups.setdefault((row["experiment"], mode, row["staleness"], draw), {})
             cell.setdefault(float(row["multiplier"]), []).append(float(row["accuracy"]))
     return groups
 
@@ -356,7 +384,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for experiment in EXPERIMENTS:
         keys = sorted(
             (g for g in groups if g[0] == experiment),
-            key=lambda g: (g[3] != "constant", int(g[2]), order.get(g[1], 9)),
+            key=lambda g: (DRAWS.index(g[3]), int(g[2]), order.get(g[1], 9)),
         )
         if not keys:
             continue
@@ -370,7 +398,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         for group in keys:
             cell = groups[group]
             means = [np.mean(cell[m]) if m in cell else np.nan for m in multipliers]
-            staleness = group[2] + ("" if group[3] == "constant" else " (0-" + str(2 * int(group[2])) + ")")
+            staleness = {
+                "constant": group[2],
+                "uniform": f"{group[2]} (0-{2 * int(group[2])})",
+                "round_robin": f"N={int(group[2]) + 1} rr",
+            }[group[3]]
             values = "".join(f"{v:>9.3f}" for v in means)
             lines.append(f"{group[1]:<14} {staleness:>9}{values}  {np.nanmax(means):.3f}")
     return "\n".join(lines)
@@ -412,19 +444,20 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     figure.savefig(out / "accuracy_vs_staleness.png", dpi=110)
     plt.close(figure)
 
-    stalenesses = sorted({int(g[2]) for g in groups if g[3] == "constant"})
+    # One panel per constant staleness, then the paper's setting (k workers in turn), if run.
+    columns = sorted({(g[3] != "constant", int(g[2]), g[3]) for g in groups if g[3] != "uniform"})
     figure, panels = plt.subplots(
         len(experiments),
-        len(stalenesses),
-        figsize=(3.6 * len(stalenesses), 3.2 * len(experiments)),
+        len(columns),
+        figsize=(3.6 * len(columns), 3.2 * len(experiments)),
         squeeze=False,
         sharey=True,
     )
     for row_panels, experiment in zip(panels, experiments, strict=True):
         peak = EXPERIMENTS[experiment].peak
-        for panel, s in zip(row_panels, stalenesses, strict=True):
+        for panel, (_, s, draw) in zip(row_panels, columns, strict=True):
             for mode, color in colors.items():
-                cell = groups.get((experiment, mode, str(s), "constant"))
+                cell = groups.get((experiment, mode, str(s), draw))
                 if cell:
                     rates = sorted(cell)
                     panel.plot(
@@ -435,7 +468,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
                         label=mode,
                     )
             panel.set_xscale("log")
-            panel.set_title(f"{experiment}, s = {s}", fontsize=9)
+            where = f"s = {s}" if draw == "constant" else f"{s + 1} workers in turn"
+            panel.set_title(f"{experiment}, {where}", fontsize=9)
             panel.set_xlabel("peak learning rate", fontsize=8)
             panel.set_ylim(0, 1.02)
         row_panels[0].set_ylabel("held-out accuracy")
@@ -455,6 +489,12 @@ def main() -> int:
     parser.add_argument("--multipliers", type=float, nargs="+", default=[0.5, 1, 2, 4, 8])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--k", type=int, default=ACCUMULATE, help="gradients per local/global sum")
+    parser.add_argument(
+        "--no-round-robin",
+        dest="round_robin",
+        action="store_false",
+        help="leave out the paper's setting: k workers in turn (global's pushes 0 or 1 stale)",
+    )
     parser.add_argument("--epochs", type=float, default=0, help="default: each experiment's own")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "staleness_output")
     parser.add_argument("--smoke", action="store_true", help="every mode once on a sliver of the data")

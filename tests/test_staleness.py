@@ -87,7 +87,7 @@ def small_model() -> keras.Model:
         ("async", [[0], [1], [1], [3], [0]]),
         ("global", [[0, 0], [1, 0], [0, 2], [2, 1], [1, 1]]),
         ("local", [[2], [2], [0], [1], [2]]),
-        ("global_adasum", [[0, 0, 1], [1, 0, 1], [0, 2, 0], [2, 1, 0], [1, 1, 2]]),
+        ("global_adasum", [[0, 0, 1], [1, 0, 0], [2, 0, 1], [0, 2, 1], [3, 1, 2]]),
     ],
 )
 def test_each_push_is_the_gradient_of_the_weights_it_was_pulled_at(
@@ -175,24 +175,28 @@ def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "out_smoke"
     rows = convergence.read_rows(out / "results.csv")
     # Both experiments, every mode at drawn staleness 1; at constant 0 and 2, local is global's run.
-    assert len(rows) == 2 * (3 + 3 + 4), [staleness.key(r) for r in rows]
+    # ... and global and global_adasum with k = 4 workers in turn.
+    assert len(rows) == 2 * (3 + 3 + 4 + 2), [staleness.key(r) for r in rows]
     assert {r["mode"] for r in rows} == set(staleness.modes())
     assert {(r["staleness"], r["draw"]) for r in rows} == {
         ("0", "constant"),
         ("2", "constant"),
         ("1", "uniform"),
+        ("3", "round_robin"),
     }
     for row in rows:  # the staleness the pushes really had: none, and up to s once there are versions
         if row["staleness"] == "0":
             assert float(row["mean_staleness"]) == 0, row
+        elif row["draw"] == "round_robin":  # 3 of every 4 pushes 1 stale, none in the first update
+            assert 0 < float(row["mean_staleness"]) < 0.75, row
         else:
             assert 0 < float(row["mean_staleness"]) <= 2, row
     assert (out / "accuracy_vs_staleness.png").stat().st_size > 0
     assert (out / "accuracy_vs_learning_rate.png").stat().st_size > 0
-    assert "global_adasum" in done.stdout and "20 runs, 0 already in" in done.stdout, done.stdout
+    assert "global_adasum" in done.stdout and "24 runs, 0 already in" in done.stdout, done.stdout
 
     again = smoke(tmp_path / "out")
-    assert "20 runs, 20 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
+    assert "24 runs, 24 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
 
 
 def test_a_real_parameter_server_run_on_localhost_trains_asynchronously(tmp_path: Path) -> None:
@@ -207,10 +211,12 @@ def test_a_real_parameter_server_run_on_localhost_trains_asynchronously(tmp_path
         "--out",
         str(tmp_path / "out"),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=200, check=False)
+    # Its own deadline is 150 s (and its servers die with it); this one only guards against the worst.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["workers"] == 2 and row["steps"] > 0
     assert row["counted_steps"] == row["steps"]  # every scheduled step ran and was counted once
-    assert 0 <= row["mean_staleness"] <= row["max_staleness"] < row["steps"]
-    assert 0 <= row["accuracy"] <= 1
+    # Asynchronous: some step's gradient came from weights another step had moved on from.
+    assert 1 <= row["max_staleness"] < row["steps"] and 0 < row["mean_staleness"] <= row["max_staleness"]
+    assert row["keras_iterations"] <= row["steps"]
