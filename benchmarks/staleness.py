@@ -468,6 +468,12 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
                         label=mode,
                     )
             panel.set_xscale("log")
+            panel.minorticks_off()  # the rates are the ticks; log minor labels would overlap them
+            panel.set_xticks(
+                [peak * m for m in sorted(groups[(experiment, "async", "0", "constant")])]
+                if (experiment, "async", "0", "constant") in groups
+                else []
+            )
             where = f"s = {s}" if draw == "constant" else f"{s + 1} workers in turn"
             panel.set_title(f"{experiment}, {where}", fontsize=9)
             panel.set_xlabel("peak learning rate", fontsize=8)
@@ -541,7 +547,7 @@ def main() -> int:
         )
     rows = [r for r in convergence.read_rows(results) if key(r) in wanted]
     print(table(rows))
-    plot(rows, args.out)
+    plot(convergence.read_rows(results), args.out)  # every run in the CSV, from any invocation
     print(
         f"\nresults: {results}\nplots: {args.out / 'accuracy_vs_staleness.png'}, "
         f"{args.out / 'accuracy_vs_learning_rate.png'}"
