@@ -29,7 +29,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-SOURCES = ["kernels/adasum_cpu.cc", "kernels/adasum_ops.cc"]
+SOURCES = ["kernels/adasum_cpu.cc", "kernels/adasum_host.cc", "kernels/adasum_ops.cc"]
 LIBRARY = "tf_adasum/_adasum_ops.so"
 
 CUDA_SOURCE = "kernels/adasum_cuda.cu"

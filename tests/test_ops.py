@@ -256,6 +256,44 @@ def test_segment_bounds_are_checked() -> None:
         ops.adasum_segment_dot_norms(x, tf.ones(9), [0, 10])
 
 
+# The same core on numpy buffers, for the MPI engine's host path (kernels/adasum_host.cc).
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_segment_functions_equal_the_segment_ops_bit_for_bit(dtype: str, threads: int) -> None:
+    rng = np.random.default_rng(12)
+    sizes = [5, 0, 200_001, 1, 64]  # past the 2^17 elements where the core starts threads
+    fa = tf.concat(_to_tf([normal(rng, n) for n in sizes], dtype), 0)
+    fb = tf.concat(_to_tf([normal(rng, n) * 2 for n in sizes], dtype), 0)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    want_dn = ops.adasum_segment_dot_norms(fa, fb, bounds).numpy()
+    want = ops.adasum_segment_combine(fa, fb, want_dn, bounds).numpy()
+    a, b = fa.numpy(), fb.numpy()
+    dn = ops.host_segment_dot_norms(a, b, bounds, threads)
+    np.testing.assert_array_equal(dn, want_dn)
+    out = np.empty_like(a)
+    ops.host_segment_combine(a, b, dn, out, bounds, threads)
+    np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+    ops.host_segment_combine(a, b, dn, a, bounds, threads)  # in place, over an input
+    np.testing.assert_array_equal(a.view(np.uint8), want.view(np.uint8))
+
+
+def test_host_segment_functions_refuse_bad_input() -> None:
+    x = np.ones(10, np.float32)
+    with pytest.raises(TypeError, match=r"got int32\[10\] and int32\[10\]"):
+        ops.host_segment_dot_norms(np.ones(10, np.int32), np.ones(10, np.int32), [0, 10])
+    with pytest.raises(TypeError, match=r"got float32\[10\] and float64\[10\]"):
+        ops.host_segment_dot_norms(x, np.ones(10), [0, 10])
+    with pytest.raises(ValueError, match="bounds must run from 0 to 10 without decreasing, got"):
+        ops.host_segment_dot_norms(x, x, [0, 6, 4, 10])
+    out = np.zeros(10, np.float32)
+    rows = np.array([[1.0, 1.0, 1.0], [np.nan, 1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"piece 1 of 2 has a non-finite"):
+        ops.host_segment_combine(x, x, rows, out, [0, 4, 10])
+    np.testing.assert_array_equal(out, 0)  # nothing written
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_combine_is_computed_in_float64_and_rounded_once(dtype: str, run: Callable[..., Any]) -> None:
     # Given the kernel's own (a.b, |a|^2, |b|^2), the float64 formula rounded once to the dtype is

@@ -8,6 +8,7 @@ a whole list is one kernel launch. A single tensor is accepted too and gives a s
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 LIBRARY_PATH = Path(__file__).with_name("_adasum_ops.so")
@@ -208,3 +210,93 @@ def adasum_segment_combine(a: tf.Tensor, b: tf.Tensor, dot_norms: Any, bounds: A
     return load_library().adasum_segment_combine(
         a=a, b=b, dot_norms=dot_norms, bounds=tf.cast(bounds, tf.int64)
     )
+
+
+# The same core over numpy buffers, through C entry points of the same library (kernels/adasum_host.cc):
+# the MPI engine runs the whole distributed algorithm on host buffers, with no TensorFlow op per step.
+_HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+@functools.cache
+def _host(path: Path) -> ctypes.CDLL:
+    _load(path)  # the same checks first: present, and built for this TensorFlow
+    library = ctypes.CDLL(str(path))
+    buffer, int64s, doubles = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+    library.tf_adasum_segment_dot_norms.argtypes = [
+        ctypes.c_int,
+        buffer,
+        buffer,
+        int64s,
+        ctypes.c_int,
+        doubles,
+        ctypes.c_int,
+    ]
+    library.tf_adasum_segment_combine.argtypes = [
+        ctypes.c_int,
+        buffer,
+        buffer,
+        doubles,
+        buffer,
+        int64s,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    return library
+
+
+def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, int, np.ndarray]:
+    code = _HOST_DTYPES.get(a.dtype.name)
+    if code is None or a.dtype != b.dtype or a.shape != b.shape or a.ndim != 1:
+        raise TypeError(
+            "expected two 1-D float16, bfloat16, float32 or float64 buffers of one length and dtype, "
+            f"got {a.dtype.name}{list(a.shape)} and {b.dtype.name}{list(b.shape)}"
+        )
+    if not (a.flags.c_contiguous and b.flags.c_contiguous):
+        raise ValueError("the buffers must be contiguous")
+    edges = np.ascontiguousarray(bounds, np.int64)
+    if len(edges) < 1 or edges[0] != 0 or edges[-1] != len(a) or np.any(np.diff(edges) < 0):
+        raise ValueError(f"bounds must run from 0 to {len(a)} without decreasing, got {edges.tolist()}")
+    library = _host(Path(os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+    return library, code, edges
+
+
+def host_segment_dot_norms(a: np.ndarray, b: np.ndarray, bounds: Any, threads: int = 1) -> np.ndarray:
+    """adasum_segment_dot_norms on numpy buffers, on `threads` threads: float64 [k, 3]."""
+    library, code, edges = _host_call(a, b, bounds)
+    out = np.empty((len(edges) - 1, 3), np.float64)
+    library.tf_adasum_segment_dot_norms(
+        code, a.ctypes.data, b.ctypes.data, edges.ctypes.data, len(edges) - 1, out.ctypes.data, threads
+    )
+    return out
+
+
+def host_segment_combine(
+    a: np.ndarray, b: np.ndarray, dot_norms: np.ndarray, out: np.ndarray, bounds: Any, threads: int = 1
+) -> None:
+    """adasum_segment_combine on numpy buffers, written into `out` (which may be a or b).
+
+    Raises:
+        ValueError: a non-finite row of dot_norms, named; nothing is written then.
+    """
+    library, code, edges = _host_call(a, b, bounds)
+    rows = np.ascontiguousarray(dot_norms, np.float64)
+    if rows.shape != (len(edges) - 1, 3) or out.shape != a.shape or out.dtype != a.dtype:
+        raise ValueError(
+            f"expected dot_norms [{len(edges) - 1}, 3] and out {a.dtype.name}{list(a.shape)}, got "
+            f"{list(rows.shape)} and {out.dtype.name}{list(out.shape)}"
+        )
+    status = library.tf_adasum_segment_combine(
+        code,
+        a.ctypes.data,
+        b.ctypes.data,
+        rows.ctypes.data,
+        out.ctypes.data,
+        edges.ctypes.data,
+        len(edges) - 1,
+        threads,
+    )
+    if status > 0:
+        raise ValueError(
+            f"piece {status - 1} of {len(edges) - 1} has a non-finite (a.b, |a|^2, |b|^2) = "
+            f"{tuple(rows[status - 1])}: a or b holds NaN or Inf, or a squared norm overflows float64"
+        )

@@ -117,6 +117,23 @@ class MPICommunicator(Communicator):
         ]
         self._wait(requests, what, f"rank {peer}")
 
+    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these two.
+    host_buffers = True
+
+    def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        """Sends `send` to `peer` and receives its message into `recv` (contiguous, written in place)."""
+        self._sendrecv(peer, send, recv, what)
+
+    def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
+        """group_sum on a numpy float64 vector."""
+        key = tuple(group)
+        if key not in self._groups:
+            self.prepare_groups([key])
+        out = np.empty_like(values)
+        self.bytes_sent += values.nbytes
+        self._wait([self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}")
+        return out
+
     def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
         if tf.executing_eagerly() and recv_size > 0:
             # Receive straight into a fresh TensorFlow tensor: no copy from numpy afterwards.
@@ -134,16 +151,8 @@ class MPICommunicator(Communicator):
         return self._host(run, [send], send.dtype, [recv_size])
 
     def group_sum(self, values: tf.Tensor, group: Sequence[int], what: str) -> tf.Tensor:
-        key = tuple(group)
-        if key not in self._groups:
-            self.prepare_groups([key])
-        sub = self._groups[key]
-
         def run(x: np.ndarray) -> np.ndarray:
-            out = np.empty_like(x)
-            self.bytes_sent += x.nbytes
-            self._wait([sub.Iallreduce(x, out, op=self._mpi.SUM)], what, f"ranks {list(key)}")
-            return out
+            return self.group_sum_host(np.ascontiguousarray(x), group, what)
 
         return self._host(run, [values], values.dtype, values.shape)
 
