@@ -65,6 +65,12 @@ template <typename T>
 void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
                  const ParallelFor& parallel_for);
 
+// dst_i = src_i, and norms[i] = |src_i|^2 accumulated in float64: the same blocks and the same sum as
+// DotNormsCpu(src, src), so the same bits, in one pass over memory.
+template <typename T>
+void CopyNormsCpu(int n, const T* const* src, const int64_t* sizes, T* const* dst, double* norms,
+                  const ParallelFor& parallel_for);
+
 // out_i = ca_i a_i + cb_i b_i, with coefficients from dot_norms. out_i may alias a_i or b_i. float32
 // and float64 are combined in float64, the half types in float32 (see kFloat32CombineLimit); the
 // result is rounded once on output.

@@ -327,7 +327,28 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
   });
 }
 
+template <typename T>
+void CopyNormsCpu(int n, const T* const* src, const int64_t* sizes, T* const* dst, double* norms,
+                  const ParallelFor& parallel_for) {
+  int64_t total = 0;
+  const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
+  std::vector<double> partial(3 * blocks.size());
+  RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const Block& blk = blocks[k];
+      T* out = dst[blk.tensor] + blk.begin;
+      std::memcpy(out, src[blk.tensor] + blk.begin, (blk.end - blk.begin) * sizeof(T));
+      // The block was just written, so it is read back from cache: one pass over memory.
+      DotNormsSpan<T>(out, out, blk.end - blk.begin, &partial[3 * k]);
+    }
+  });
+  for (int t = 0; t < n; ++t) norms[t] = 0.0;
+  for (size_t k = 0; k < blocks.size(); ++k) norms[blocks[k].tensor] += partial[3 * k + 1];
+}
+
 #define ADASUM_INSTANTIATE(T)                                                                            \
+  template void CopyNormsCpu<T>(int, const T* const*, const int64_t*, T* const*, double*,              \
+                                const ParallelFor&);                                                     \
   template void DotNormsCpu<T>(int, const T* const*, const T* const*, const int64_t*, double*,          \
                                const ParallelFor&);                                                      \
   template void CombineCpu<T>(int, const T* const*, const T* const*, const double*, T* const*,          \

@@ -61,9 +61,35 @@ void Combine(const void* a, const void* b, const double* dot_norms, void* out, c
   adasum::CombineCpu<T>(pieces, pa.data(), pb.data(), dot_norms, po.data(), sizes.data(), ThreadsFor(threads));
 }
 
+template <typename T>
+void CopyNorms(int n, const void* const* src, const int64_t* sizes, void* dst, const int64_t* starts, double* norms,
+               int threads) {
+  std::vector<const T*> ps;
+  std::vector<T*> pd;
+  for (int i = 0; i < n; ++i) {
+    ps.push_back(static_cast<const T*>(src[i]));
+    pd.push_back(static_cast<T*>(dst) + starts[i]);
+  }
+  adasum::CopyNormsCpu<T>(n, ps.data(), sizes, pd.data(), norms, ThreadsFor(threads));
+}
+
 }  // namespace
 
 extern "C" {
+
+// Copies tensor i (sizes[i] elements at src[i]) to dst + starts[i], and sets norms[i] = |tensor i|^2 in
+// float64, bit for bit what tf_adasum_segment_dot_norms gives for it. Returns 0, or -1 for an unknown
+// dtype.
+int tf_adasum_copy_norms(int dtype, int n, const void* const* src, const int64_t* sizes, void* dst,
+                         const int64_t* starts, double* norms, int threads) {
+  switch (dtype) {
+    case kHalf: CopyNorms<adasum::Half>(n, src, sizes, dst, starts, norms, threads); return 0;
+    case kBFloat16: CopyNorms<adasum::BFloat16>(n, src, sizes, dst, starts, norms, threads); return 0;
+    case kFloat: CopyNorms<float>(n, src, sizes, dst, starts, norms, threads); return 0;
+    case kDouble: CopyNorms<double>(n, src, sizes, dst, starts, norms, threads); return 0;
+    default: return -1;
+  }
+}
 
 // dot_norms[3 i + {0, 1, 2}] = (a.b, |a|^2, |b|^2) over the piece [bounds[i], bounds[i + 1]) of the
 // 1-D buffers a and b, in float64. Returns 0, or -1 for an unknown dtype.

@@ -279,6 +279,24 @@ def test_host_segment_functions_equal_the_segment_ops_bit_for_bit(dtype: str, th
     np.testing.assert_array_equal(a.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_copy_norms_copies_and_gives_the_ops_squared_norms(dtype: str, threads: int) -> None:
+    rng = np.random.default_rng(13)
+    sizes = [5, 0, 200_001, 1, 64]
+    tensors = _to_tf([normal(rng, n) for n in sizes], dtype)
+    tensors[3] = tf.fill([1], tf.constant(np.inf, tensors[3].dtype))  # a non-finite norm comes through
+    sources = [t.numpy() for t in tensors]
+    starts = np.concatenate([[0], np.cumsum([n + 3 for n in sizes])])  # gaps between, as padding
+    dst = np.full(int(starts[-1]), 7, sources[0].dtype)
+    norms = ops.host_copy_norms(sources, dst, starts, threads)
+    np.testing.assert_array_equal(norms, ops.adasum_dot_norms(tensors, tensors).numpy()[:, 1])
+    assert np.isinf(norms[3])
+    for x, start in zip(sources, starts, strict=False):
+        np.testing.assert_array_equal(dst[start : start + x.size].view(np.uint8), x.view(np.uint8))
+        np.testing.assert_array_equal(dst[start + x.size : start + x.size + 3].astype(np.float32), 7)
+
+
 def test_host_segment_functions_refuse_bad_input() -> None:
     x = np.ones(10, np.float32)
     with pytest.raises(TypeError, match=r"got int32\[10\] and int32\[10\]"):

@@ -231,6 +231,16 @@ def _host(path: Path) -> ctypes.CDLL:
         doubles,
         ctypes.c_int,
     ]
+    library.tf_adasum_copy_norms.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        int64s,
+        buffer,
+        int64s,
+        doubles,
+        ctypes.c_int,
+    ]
     library.tf_adasum_segment_combine.argtypes = [
         ctypes.c_int,
         buffer,
@@ -300,3 +310,35 @@ def host_segment_combine(
             f"piece {status - 1} of {len(edges) - 1} has a non-finite (a.b, |a|^2, |b|^2) = "
             f"{tuple(rows[status - 1])}: a or b holds NaN or Inf, or a squared norm overflows float64"
         )
+
+
+def host_copy_norms(
+    sources: Sequence[np.ndarray], dst: np.ndarray, starts: Any, threads: int = 1
+) -> np.ndarray:
+    """Copies sources[i] (C-contiguous, dst's dtype) to dst[starts[i]:] and returns |sources[i]|^2 in
+    float64 (the squared norms adasum_dot_norms gives), in one pass over memory."""
+    code = _HOST_DTYPES.get(dst.dtype.name)
+    offsets = np.ascontiguousarray(starts, np.int64)
+    sizes = np.array([x.size for x in sources], np.int64)
+    if code is None or not dst.flags.c_contiguous or len(offsets) < len(sources):
+        raise TypeError(f"expected a contiguous float buffer and a start per source, got {dst.dtype.name}")
+    for i, x in enumerate(sources):
+        if x.dtype != dst.dtype or not x.flags.c_contiguous or offsets[i] + x.size > dst.size:
+            raise ValueError(
+                f"source {i}: expected contiguous {dst.dtype.name} within the buffer, got {x.dtype.name} "
+                f"of {x.size} at {offsets[i]} in {dst.size}"
+            )
+    pointers = (ctypes.c_void_p * max(1, len(sources)))(*[x.ctypes.data for x in sources])
+    norms = np.empty(len(sources), np.float64)
+    library = _host(Path(os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+    library.tf_adasum_copy_norms(
+        code,
+        len(sources),
+        pointers,
+        sizes.ctypes.data,
+        dst.ctypes.data,
+        offsets.ctypes.data,
+        norms.ctypes.data,
+        threads,
+    )
+    return norms

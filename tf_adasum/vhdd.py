@@ -230,11 +230,12 @@ def host_threads(comm: Communicator) -> int:
 
 
 def _fuse_host(
-    tensors: Sequence[tf.Tensor], index: list[int]
-) -> tuple[tf.Tensor, list[int], list[int], np.ndarray | None]:
+    tensors: Sequence[tf.Tensor], index: list[int], threads: int
+) -> tuple[tf.Tensor, list[int], list[int], np.ndarray | None, np.ndarray | None]:
     """_fuse, eagerly, into a fresh TensorFlow tensor through a writable numpy view of it: one copy of
-    each tensor and no TensorFlow op per tensor. Returns the view too (None where TensorFlow gives
-    none: then this is _fuse)."""
+    each tensor, its squared norm computed on the way (for the finiteness check), and no TensorFlow op
+    per tensor. Returns the view and the norms too (None where TensorFlow gives no view: then this is
+    _fuse)."""
     dtype = tensors[index[0]].dtype
     align = ALIGN_BYTES // dtype.size
     sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
@@ -243,11 +244,12 @@ def _fuse_host(
     buffer = tf.raw_ops.Empty(shape=[int(starts[-1])], dtype=dtype, init=False)
     view = _compat.writable_view(buffer)
     if view is None:
-        return (*_fuse(tensors, index), None)
-    for i, start, size, pad in zip(index, starts[:-1], sizes, pads, strict=True):
-        view[start : start + size] = np.asarray(tensors[i]).reshape(-1)
+        return (*_fuse(tensors, index), None, None)
+    for start, size, pad in zip(starts[:-1], sizes, pads, strict=True):
         view[start + size : start + size + pad] = 0
-    return buffer, starts.tolist(), pads, view
+    sources = [np.ascontiguousarray(tensors[i]).reshape(-1) for i in index]
+    norms = ops.host_copy_norms(sources, view, starts, threads)
+    return buffer, starts.tolist(), pads, view, norms
 
 
 def _vhdd_host_graph(comm: Communicator, buffer: tf.Tensor, starts: list[int]) -> tf.Tensor:
@@ -293,42 +295,59 @@ def vhdd_allreduce(
     if comm.size == 1:
         return list(tensors)
     host = getattr(comm, "host_buffers", False)
-    groups = [
-        _fuse_host(tensors, index) if host and tf.executing_eagerly() else (*_fuse(tensors, index), None)
-        for index in indices_by_dtype(tensors)
-    ]
+    threads = host_threads(comm)
     indices = indices_by_dtype(tensors)
+    groups = [
+        _fuse_host(tensors, index, threads)
+        if host and tf.executing_eagerly()
+        else (*_fuse(tensors, index), None, None)
+        for index in indices
+    ]
 
-    code = agreement.first_nonfinite(
-        [(index, buffer, starts) for index, (buffer, starts, _, _) in zip(indices, groups, strict=True)]
-    )
+    measured = [norms for *_, norms in groups if norms is not None]
+    code: tf.Tensor | int
+    if len(measured) == len(groups):  # the copies measured the norms: no second pass over the data
+        bad = [
+            i
+            for index, norms in zip(indices, measured, strict=True)
+            for i in np.asarray(index)[~np.isfinite(norms)]
+        ]
+        code = int(min(bad, default=-1))
+    else:
+        code = agreement.first_nonfinite(
+            [(index, buffer, starts) for index, (buffer, starts, *_) in zip(indices, groups, strict=True)]
+        )
     checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names)
 
     out: list[tf.Tensor | None] = [None] * len(tensors)
-    for index, (buffer, starts, pads, view) in zip(indices, groups, strict=True):
+    for index, (buffer, starts, pads, view, _) in zip(indices, groups, strict=True):
         if not tf.executing_eagerly():  # eagerly, agree() has already raised or passed
             with tf.control_dependencies([checked]):
                 buffer = tf.identity(buffer)
         if view is not None:  # eagerly, on the host: in place in the fused tensor's memory
-            vhdd_host(comm, view, starts, host_threads(comm))
+            vhdd_host(comm, view, starts, threads)
             combined = buffer
         elif host:
             combined = _vhdd_host_graph(comm, buffer, starts)
         else:
             combined = vhdd_fused(comm, buffer, starts)
-        # One split at aligned boundaries (views, not copies); the padding pieces are dropped.
-        lengths: list[int] = []
-        keep: list[int] = []
-        for start, end, pad in zip(starts[:-1], starts[1:], pads, strict=True):
-            keep.append(len(lengths))
-            lengths += [end - start - pad, pad] if pad else [end - start]
-        pieces = tf.split(combined, lengths)
-        for i, k in zip(index, keep, strict=True):
-            if tf.executing_eagerly():
-                # A cached shape tensor makes each eager reshape ~5 us instead of ~25 (converting a
-                # Python shape costs more than the reshape): ~3 ms a call on ResNet-50's 161 tensors.
-                shape = _shape_tensor(tuple(tensors[i].shape.as_list()))
-                out[i] = tf.raw_ops.Reshape(tensor=pieces[k], shape=shape)
+        # One split at the aligned tensor starts: every piece starts aligned, so all are views of the
+        # buffer. (A split that also cut the padding off would copy everything: TensorFlow shares the
+        # buffer only when every piece is aligned.) A padded tensor's piece is then cut at 0, a view.
+        pieces = tf.split(combined, np.diff(starts).tolist())
+        eager = tf.executing_eagerly()
+        for i, piece, pad in zip(index, pieces, pads, strict=True):
+            size = int(np.prod(tensors[i].shape.as_list()))
+            if eager:
+                # Cached shape tensors make each eager op ~5 us instead of ~25 (converting a Python
+                # shape costs more than the op): ~3 ms a call on ResNet-50's 161 tensors.
+                if pad:
+                    piece = tf.raw_ops.Slice(
+                        input=piece, begin=_shape_tensor((0,)), size=_shape_tensor((size,))
+                    )
+                out[i] = tf.raw_ops.Reshape(
+                    tensor=piece, shape=_shape_tensor(tuple(tensors[i].shape.as_list()))
+                )
             else:
-                out[i] = tf.reshape(pieces[k], tensors[i].shape)
+                out[i] = tf.reshape(piece[:size] if pad else piece, tensors[i].shape)
     return [t for t in out if t is not None]
