@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import convergence  # noqa: E402
 import staleness  # noqa: E402
 
+from tests.test_convergence import smoke  # noqa: E402
+
 # "Making Asynchronous SGD Work for Transformers", Table 2, as printed (three decimals, trailing zeros
 # dropped): Adam with beta_1 = 0.9, beta_2 = 0.98, lr = 0.001, times t = 1..6.
 TABLE_2 = {
@@ -163,15 +165,8 @@ def test_with_no_staleness_each_mode_is_its_synchronous_counterpart_exactly(
     assert not np.allclose(model.get_weights()[0], start[0])
 
 
-def smoke(out: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, str(ROOT / "benchmarks" / "staleness.py"), "--smoke", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
 def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
-    done = smoke(tmp_path / "out")
+    done = smoke(tmp_path / "out", "staleness.py")
     out = tmp_path / "out_smoke"
     rows = convergence.read_rows(out / "results.csv")
     # Both experiments, every mode at drawn staleness 1; at constant 0 and 2, local is global's run.
@@ -195,7 +190,7 @@ def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
     assert (out / "accuracy_vs_learning_rate.png").stat().st_size > 0
     assert "global_adasum" in done.stdout and "24 runs, 0 already in" in done.stdout, done.stdout
 
-    again = smoke(tmp_path / "out")
+    again = smoke(tmp_path / "out", "staleness.py")
     assert "24 runs, 24 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
 
 
