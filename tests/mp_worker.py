@@ -75,7 +75,20 @@ def checks(out: Path) -> None:
         message = "no error"
     except ValueError as error:
         message = str(error)
-    info = {"engine": comm.engine, "size": comm.size, "local_rank": comm.local_rank, "mismatch": message}
+    # A rank with NaN in a bfloat16 tensor (a float32 one first): every rank raises the same error.
+    nan = [tf.ones([3]), tf.constant([1.0, np.nan if rank == comm.size - 1 else 2.0], tf.bfloat16)]
+    try:
+        tf_adasum.allreduce(nan)
+        nonfinite = "no error"
+    except tf_adasum.NonFiniteUpdateError as error:
+        nonfinite = str(error)
+    info = {
+        "engine": comm.engine,
+        "size": comm.size,
+        "local_rank": comm.local_rank,
+        "mismatch": message,
+        "nonfinite": nonfinite,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(info))
 
 
