@@ -140,8 +140,9 @@ def test_each_push_is_the_gradient_of_the_weights_it_was_pulled_at(
 def test_with_no_staleness_each_mode_is_its_synchronous_counterpart_exactly(
     mode: str, method: str, kind: str, n: int
 ) -> None:
-    """Against benchmarks/convergence.py's replicas, which tests/test_convergence.py checks against
-    MirroredStrategy and the gradient Adasum (Horovod's op=Adasum): bit for bit."""
+    """Against benchmarks/convergence.py's replicas, bit for bit: their average (which
+    tests/test_convergence.py checks against MirroredStrategy) and their Adasum of the raw gradients
+    (adasum_before, the tree over the gradients, then one optimizer step)."""
     steps = 3
     rng = np.random.default_rng(n)
     x = rng.random((steps, n, convergence.LOCAL_BATCH, 16, 16, 1), dtype=np.float32)
