@@ -252,6 +252,15 @@ def key(row: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+def append_row(path: Path, fields: list[str], row: dict[str, Any]) -> None:
+    """Appends one row to a results CSV, with the header if the file is new: runs resume from it."""
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        if f.tell() == 0:
+            writer.writeheader()
+        writer.writerow(row)
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -409,11 +418,7 @@ def main() -> int:
             )
 
         row = run(data, kind, method, n, multiplier, seed, args.epochs, trace if traced else None)
-        with open(results, "a", newline="") as f:
-            writer = csv.DictWriter(f, FIELDS)
-            if f.tell() == 0:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(results, FIELDS, row)
         if trace_rows:
             with open(traces, "w", newline="") as f:
                 writer = csv.DictWriter(f, ["replicas", "step", "variable", "orthogonality"])

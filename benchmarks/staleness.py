@@ -47,7 +47,6 @@ OUT/accuracy_vs_learning_rate.png, and prints the table.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from collections import deque
@@ -532,11 +531,7 @@ def main() -> int:
             r["epochs"],
             args.k,
         )
-        with open(results, "a", newline="") as f:
-            writer = csv.DictWriter(f, FIELDS)
-            if f.tell() == 0:
-                writer.writeheader()
-            writer.writerow(row)
+        convergence.append_row(results, FIELDS, row)
         left = (time.perf_counter() - started) / (i + 1) * (len(todo) - i - 1)
         print(
             f"[{i + 1}/{len(todo)}] {row['experiment']} {row['mode']:<13} s={row['staleness']} "

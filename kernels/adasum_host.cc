@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "adasum_core.h"
@@ -73,6 +74,18 @@ void CopyNorms(int n, const void* const* src, const int64_t* sizes, void* dst, c
   adasum::CopyNormsCpu<T>(n, ps.data(), sizes, pd.data(), norms, ThreadsFor(threads));
 }
 
+// Calls f with a null pointer of the storage type that `dtype` names; -1 for an unknown dtype.
+template <typename F>
+int ByDtype(int dtype, F&& f) {
+  switch (dtype) {
+    case kHalf: f(static_cast<adasum::Half*>(nullptr)); return 0;
+    case kBFloat16: f(static_cast<adasum::BFloat16*>(nullptr)); return 0;
+    case kFloat: f(static_cast<float*>(nullptr)); return 0;
+    case kDouble: f(static_cast<double*>(nullptr)); return 0;
+    default: return -1;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -82,26 +95,18 @@ extern "C" {
 // dtype.
 int tf_adasum_copy_norms(int dtype, int n, const void* const* src, const int64_t* sizes, void* dst,
                          const int64_t* starts, double* norms, int threads) {
-  switch (dtype) {
-    case kHalf: CopyNorms<adasum::Half>(n, src, sizes, dst, starts, norms, threads); return 0;
-    case kBFloat16: CopyNorms<adasum::BFloat16>(n, src, sizes, dst, starts, norms, threads); return 0;
-    case kFloat: CopyNorms<float>(n, src, sizes, dst, starts, norms, threads); return 0;
-    case kDouble: CopyNorms<double>(n, src, sizes, dst, starts, norms, threads); return 0;
-    default: return -1;
-  }
+  return ByDtype(dtype, [&](auto* type) {
+    CopyNorms<std::remove_pointer_t<decltype(type)>>(n, src, sizes, dst, starts, norms, threads);
+  });
 }
 
 // dot_norms[3 i + {0, 1, 2}] = (a.b, |a|^2, |b|^2) over the piece [bounds[i], bounds[i + 1]) of the
 // 1-D buffers a and b, in float64. Returns 0, or -1 for an unknown dtype.
 int tf_adasum_segment_dot_norms(int dtype, const void* a, const void* b, const int64_t* bounds, int pieces,
                                 double* dot_norms, int threads) {
-  switch (dtype) {
-    case kHalf: DotNorms<adasum::Half>(a, b, bounds, pieces, dot_norms, threads); return 0;
-    case kBFloat16: DotNorms<adasum::BFloat16>(a, b, bounds, pieces, dot_norms, threads); return 0;
-    case kFloat: DotNorms<float>(a, b, bounds, pieces, dot_norms, threads); return 0;
-    case kDouble: DotNorms<double>(a, b, bounds, pieces, dot_norms, threads); return 0;
-    default: return -1;
-  }
+  return ByDtype(dtype, [&](auto* type) {
+    DotNorms<std::remove_pointer_t<decltype(type)>>(a, b, bounds, pieces, dot_norms, threads);
+  });
 }
 
 // out = adasum(a, b) piece by piece, with each piece's coefficients from its row of dot_norms. out may
@@ -112,13 +117,9 @@ int tf_adasum_segment_combine(int dtype, const void* a, const void* b, const dou
   for (int i = 0; i < 3 * pieces; ++i) {
     if (!std::isfinite(dot_norms[i])) return i / 3 + 1;
   }
-  switch (dtype) {
-    case kHalf: Combine<adasum::Half>(a, b, dot_norms, out, bounds, pieces, threads); return 0;
-    case kBFloat16: Combine<adasum::BFloat16>(a, b, dot_norms, out, bounds, pieces, threads); return 0;
-    case kFloat: Combine<float>(a, b, dot_norms, out, bounds, pieces, threads); return 0;
-    case kDouble: Combine<double>(a, b, dot_norms, out, bounds, pieces, threads); return 0;
-    default: return -1;
-  }
+  return ByDtype(dtype, [&](auto* type) {
+    Combine<std::remove_pointer_t<decltype(type)>>(a, b, dot_norms, out, bounds, pieces, threads);
+  });
 }
 
 }  // extern "C"

@@ -33,9 +33,14 @@ GPU_BUILD_HINT = (
 )
 
 
+def _library_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """`path`, else $TF_ADASUM_LIBRARY, else the library built into this package."""
+    return Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve()
+
+
 def built_with_cuda(path: str | os.PathLike[str] | None = None) -> bool:
     """Whether the compiled ops carry GPU kernels (a TF_ADASUM_CUDA=1 build), read without loading them."""
-    library = Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve()
+    library = _library_path(path)
     match = _GPU_MARKER.search(library.read_bytes()) if library.is_file() else None
     return bool(match and match.group(1) == b"1")
 
@@ -53,7 +58,7 @@ def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
         ImportError: the library is missing, was built for another TensorFlow, or fails to load.
             The message names the path and how to rebuild.
     """
-    return _load(Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+    return _load(_library_path(path))
 
 
 @functools.cache
@@ -221,36 +226,11 @@ _HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 def _host(path: Path) -> ctypes.CDLL:
     _load(path)  # the same checks first: present, and built for this TensorFlow
     library = ctypes.CDLL(str(path))
-    buffer, int64s, doubles = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-    library.tf_adasum_segment_dot_norms.argtypes = [
-        ctypes.c_int,
-        buffer,
-        buffer,
-        int64s,
-        ctypes.c_int,
-        doubles,
-        ctypes.c_int,
-    ]
-    library.tf_adasum_copy_norms.argtypes = [
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        int64s,
-        buffer,
-        int64s,
-        doubles,
-        ctypes.c_int,
-    ]
-    library.tf_adasum_segment_combine.argtypes = [
-        ctypes.c_int,
-        buffer,
-        buffer,
-        doubles,
-        buffer,
-        int64s,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    # Every pointer (buffers, bounds, results) travels as void*; counts, dtype codes and threads as int.
+    pointer, count = ctypes.c_void_p, ctypes.c_int
+    library.tf_adasum_segment_dot_norms.argtypes = [count, pointer, pointer, pointer, count, pointer, count]
+    library.tf_adasum_copy_norms.argtypes = [count, count, pointer, pointer, pointer, pointer, pointer, count]
+    library.tf_adasum_segment_combine.argtypes = [count, *[pointer] * 5, count, count]
     return library
 
 
@@ -266,7 +246,7 @@ def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, 
     edges = np.ascontiguousarray(bounds, np.int64)
     if len(edges) < 1 or edges[0] != 0 or edges[-1] != len(a) or np.any(np.diff(edges) < 0):
         raise ValueError(f"bounds must run from 0 to {len(a)} without decreasing, got {edges.tolist()}")
-    library = _host(Path(os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+    library = _host(_library_path())
     return library, code, edges
 
 
@@ -330,7 +310,7 @@ def host_copy_norms(
             )
     pointers = (ctypes.c_void_p * max(1, len(sources)))(*[x.ctypes.data for x in sources])
     norms = np.empty(len(sources), np.float64)
-    library = _host(Path(os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve())
+    library = _host(_library_path())
     library.tf_adasum_copy_norms(
         code,
         len(sources),

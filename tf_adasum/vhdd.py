@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -79,6 +79,34 @@ def _pieces(offsets: np.ndarray, lo: int, hi: int) -> list[tuple[int, int, int]]
     return out
 
 
+class _Level(NamedTuple):
+    """One halving level, as one rank sees it."""
+
+    peer: int
+    lower: bool  # this rank keeps the lower half
+    lo: int  # the segment [lo, hi) both hold before the level
+    keep: tuple[int, int]
+    give: tuple[int, int]
+    block: list[int]  # the ranks whose partial sums are added at this level
+
+
+def _halving(v: int, r: int, p2: int, total: int, align: int) -> list[_Level]:
+    """The halving levels of virtual rank v; the gather walks them back in reverse. Every halving
+    point is aligned, so both halves of a segment are views."""
+    levels = []
+    lo, hi, level = 0, total, 1
+    while level < p2:
+        mid = lo + (hi - lo) // 2 // align * align
+        lower = (v & level) == 0
+        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
+        start = v - v % (2 * level)
+        block = [virtual_to_real(u, r) for u in range(start, start + 2 * level)]
+        levels.append(_Level(virtual_to_real(v ^ level, r), lower, lo, keep, give, block))
+        lo, hi = keep
+        level *= 2
+    return levels
+
+
 def _combine_segment(
     comm: Communicator,
     left: tf.Tensor,
@@ -121,27 +149,17 @@ def vhdd_fused(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[in
         buffer = _combine_segment(comm, buffer, other, everything, n, [rank])
     v = rank // 2 if rank < 2 * r else rank - r
 
-    lo, hi, level = 0, total, 1
-    path = []
-    while level < p2:
-        peer = virtual_to_real(v ^ level, r)
-        mid = lo + (hi - lo) // 2 // align * align  # aligned, so both halves are views
-        lower = (v & level) == 0
-        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
-        mine = buffer[keep[0] - lo : keep[1] - lo]
-        theirs = comm.exchange(peer, buffer[give[0] - lo : give[1] - lo], keep[1] - keep[0], "adasum halving")
-        left, right = (mine, theirs) if lower else (theirs, mine)
-        start = v - v % (2 * level)
-        block = [virtual_to_real(u, r) for u in range(start, start + 2 * level)]
-        buffer = _combine_segment(comm, left, right, _pieces(offsets, *keep), n, block)
-        path.append((peer, lower, hi - lo))
-        lo, hi = keep
-        level *= 2
+    levels = _halving(v, r, p2, total, align)
+    for level in levels:  # buffer holds the segment that starts at level.lo
+        (klo, khi), (glo, ghi), lo = level.keep, level.give, level.lo
+        mine = buffer[klo - lo : khi - lo]
+        theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
+        left, right = (mine, theirs) if level.lower else (theirs, mine)
+        buffer = _combine_segment(comm, left, right, _pieces(offsets, klo, khi), n, level.block)
 
-    for peer, lower, parent_size in reversed(path):
-        theirs = comm.exchange(peer, buffer, parent_size - (hi - lo), "adasum gather")
-        buffer = tf.concat([buffer, theirs] if lower else [theirs, buffer], 0)
-        lo, hi = (lo, lo + parent_size) if lower else (hi - parent_size, hi)
+    for level in reversed(levels):  # buffer holds level.keep; the peer sends back what was given
+        theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
+        buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
 
     if rank < 2 * r:
         comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
@@ -198,27 +216,17 @@ def vhdd_host(comm: Any, buf: np.ndarray, tensor_starts: Sequence[int], threads:
         scratch = np.empty(total - total // 2 // align * align, buf.dtype)
     v = rank // 2 if rank < 2 * r else rank - r
 
-    lo, hi, level = 0, total, 1
-    path = []
-    while level < p2:
-        peer = virtual_to_real(v ^ level, r)
-        mid = lo + (hi - lo) // 2 // align * align
-        lower = (v & level) == 0
-        keep, give = ((lo, mid), (mid, hi)) if lower else ((mid, hi), (lo, mid))
-        mine, theirs = buf[keep[0] : keep[1]], scratch[: keep[1] - keep[0]]
-        comm.sendrecv_host(peer, buf[give[0] : give[1]], theirs, "adasum halving")
-        left, right = (mine, theirs) if lower else (theirs, mine)
-        start = v - v % (2 * level)
-        block = [virtual_to_real(u, r) for u in range(start, start + 2 * level)]
-        _combine_host(comm, left, right, mine, _pieces(offsets, *keep), n, block, threads)
-        path.append((peer, lower, lo, hi))
-        lo, hi = keep
-        level *= 2
+    levels = _halving(v, r, p2, total, align)
+    for level in levels:
+        (klo, khi), (glo, ghi) = level.keep, level.give
+        mine, theirs = buf[klo:khi], scratch[: khi - klo]
+        comm.sendrecv_host(level.peer, buf[glo:ghi], theirs, "adasum halving")
+        left, right = (mine, theirs) if level.lower else (theirs, mine)
+        _combine_host(comm, left, right, mine, _pieces(offsets, klo, khi), n, level.block, threads)
 
-    for peer, lower, parent_lo, parent_hi in reversed(path):
-        gap = (hi, parent_hi) if lower else (parent_lo, lo)
-        comm.sendrecv_host(peer, buf[lo:hi], buf[gap[0] : gap[1]], "adasum gather")
-        lo, hi = parent_lo, parent_hi
+    for level in reversed(levels):  # send the part kept, receive the part given, in place
+        (klo, khi), (glo, ghi) = level.keep, level.give
+        comm.sendrecv_host(level.peer, buf[klo:khi], buf[glo:ghi], "adasum gather")
 
     if rank < 2 * r:
         comm.sendrecv_host(rank + 1, buf, nothing, "adasum result to folded rank")
@@ -229,6 +237,15 @@ def host_threads(comm: Communicator) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
 
 
+def _layout(tensors: Sequence[tf.Tensor], index: list[int]) -> tuple[list[int], np.ndarray, list[int]]:
+    """Sizes of tensors[i] for i in index, their aligned starts in one buffer (and its end), the pads."""
+    align = ALIGN_BYTES // tensors[index[0]].dtype.size
+    sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
+    starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
+    pads = [int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)]
+    return sizes, starts, pads
+
+
 def _fuse_host(
     tensors: Sequence[tf.Tensor], index: list[int], threads: int
 ) -> tuple[tf.Tensor, list[int], list[int], np.ndarray | None, np.ndarray | None]:
@@ -237,10 +254,7 @@ def _fuse_host(
     per tensor. Returns the view and the norms too (None where TensorFlow gives no view: then this is
     _fuse)."""
     dtype = tensors[index[0]].dtype
-    align = ALIGN_BYTES // dtype.size
-    sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
-    starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
-    pads = [int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)]
+    sizes, starts, pads = _layout(tensors, index)
     buffer = tf.raw_ops.Empty(shape=[int(starts[-1])], dtype=dtype, init=False)
     view = _compat.writable_view(buffer)
     if view is None:
@@ -273,10 +287,7 @@ def _shape_tensor(shape: tuple[int, ...]) -> tf.Tensor:
 def _fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> tuple[tf.Tensor, list[int], list[int]]:
     """One aligned buffer of tensors[i] for i in index; returns it, the tensor starts and the pads."""
     dtype = tensors[index[0]].dtype
-    align = ALIGN_BYTES // dtype.size
-    sizes = [int(np.prod(tensors[i].shape.as_list())) for i in index]
-    starts = np.concatenate([[0], np.cumsum([_round_up(s, align) for s in sizes])]).astype(np.int64)
-    pads = [int(end - start - size) for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True)]
+    _, starts, pads = _layout(tensors, index)
     zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
     parts = []
     for i, pad in zip(index, pads, strict=True):
