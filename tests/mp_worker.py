@@ -5,6 +5,7 @@ Usage:
     worker.py OUT_DIR dead      # rank 1 exits after init; the others try an allreduce
     worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
     worker.py OUT_DIR fit       # model.fit with AdasumOptimizer, no strategy, one replica per process
+    worker.py OUT_DIR replicas  # model.fit, MirroredStrategy on 3 logical CPUs per process, AdasumOptimizer
     worker.py OUT_DIR strategy  # model.fit under AdasumStrategy, every process given the same data
     worker.py OUT_DIR resume    # AdasumStrategy: k steps, save, restore, k more, against 2k at once
 
@@ -46,6 +47,18 @@ def rank_tensors(rank: int) -> list[np.ndarray]:
     ]
 
 
+def local_counts(case: str, size: int) -> list[int]:
+    """How many replicas each process holds in the allreduce_replicas checks."""
+    return {"two": [2] * size, "three": [3] * size, "uneven": [1 + q % 3 for q in range(size)]}[case]
+
+
+def replica_tensors(case: str, size: int, rank: int) -> list[list[np.ndarray]]:
+    """This process's replicas: leaf j of the tree over all of them holds rank_tensors(j)."""
+    counts = local_counts(case, size)
+    first = sum(counts[:rank])
+    return [rank_tensors(first + j) for j in range(counts[rank])]
+
+
 def saved(t: tf.Tensor) -> np.ndarray:
     """A result as npz can hold it: 16-bit floats widened to float32 (exactly)."""
     return t.numpy().astype(np.float32) if t.dtype.size == 2 else t.numpy()
@@ -66,6 +79,14 @@ def checks(out: Path) -> None:
     results["average"] = tf_adasum.allreduce(tf.constant([float(rank)]), op=tf_adasum.Average).numpy()
     results["scalar_sum"] = tf_adasum.allreduce(tf.constant(2.5), op=tf_adasum.Sum).numpy()
     results["broadcast"] = tf_adasum.broadcast(tf.constant([10.0 * rank, 1.0]), root=comm.size - 1).numpy()
+    # Several replicas per process: the tree over every replica of every process.
+    for case in ("two", "three", "uneven"):
+        local = [[tf.constant(x) for x in r] for r in replica_tensors(case, comm.size, rank)]
+        for i, t in enumerate(tf_adasum.distributed.allreduce_replicas(local)):
+            results[f"{case}_eager_{i}"] = saved(t)
+        compiled = tf.function(lambda ts: tf_adasum.distributed.allreduce_replicas(ts))
+        for i, t in enumerate(compiled(local)):
+            results[f"{case}_function_{i}"] = saved(t)
     np.savez(out / f"rank{rank}.npz", **results)
 
     # A rank whose tensor differs: every rank must raise, before any data moves.
@@ -82,7 +103,17 @@ def checks(out: Path) -> None:
         nonfinite = "no error"
     except tf_adasum.NonFiniteUpdateError as error:
         nonfinite = str(error)
+    # NaN in the last replica of the last process: every process raises, none waits in the tree.
+    local = [[tf.constant(x) for x in r] for r in replica_tensors("uneven", comm.size, rank)]
+    if rank == comm.size - 1:
+        local[-1][5] = tf.constant(np.full([300], np.nan), tf.bfloat16)
+    try:
+        tf_adasum.distributed.allreduce_replicas(local)
+        replica_nonfinite = "no error"
+    except tf_adasum.NonFiniteUpdateError as error:
+        replica_nonfinite = str(error)
     info = {
+        "replica_nonfinite": replica_nonfinite,
         "engine": comm.engine,
         "size": comm.size,
         "local_rank": comm.local_rank,
@@ -139,6 +170,36 @@ def fit(out: Path) -> None:
     model.fit(x[mine], y[mine], batch_size=local, shuffle=False, verbose=0)
     assert isinstance(model.optimizer.inner, keras.optimizers.SGD)
     np.savez(out / f"fit{comm.rank}.npz", *model.get_weights())
+
+
+def replicas_fit(out: Path) -> None:
+    """MirroredStrategy over three logical CPUs in each process, AdasumOptimizer across processes."""
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 3
+    )
+    from tests.test_training import build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    strategy = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")],
+        cross_device_ops=tf.distribute.ReductionToOneDevice(),
+    )
+    local, steps, replicas = 2, 4, 3 * comm.size
+    # Global replica 3q + j takes rows [4 * (3q + j), ...) of each global batch, as simulate() cuts it.
+    batch = 3 * local
+    mine = np.concatenate([s * local * replicas + comm.rank * batch + np.arange(batch) for s in range(steps)])
+    for kind, sync_every in (("sgd_momentum", 1), ("adam", 2)):
+        model = build_linear(
+            strategy,
+            lambda: tf_adasum.AdasumOptimizer(make_inner(kind), sync_every=sync_every),  # noqa: B023
+        )
+        model.fit(x[mine], y[mine], batch_size=batch, shuffle=False, verbose=0)
+        components = [
+            [c.numpy() for c in strategy.experimental_local_results(v.value)] for v in model.weights
+        ]
+        assert all(len(c) == 3 for c in components)
+        np.savez(out / f"replicas_{kind}{comm.rank}.npz", *[np.stack(c) for c in components])
 
 
 def strategy_fit(out: Path) -> None:
@@ -273,6 +334,8 @@ if __name__ == "__main__":
         checks(out_dir)
     elif mode == "fit":
         fit(out_dir)
+    elif mode == "replicas":
+        replicas_fit(out_dir)
     elif mode == "strategy":
         strategy_fit(out_dir)
     elif mode == "resume":

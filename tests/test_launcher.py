@@ -1,5 +1,6 @@
 """`python -m tf_adasum.run`: every process gets its TF_CONFIG, output lines carry the rank, the first
-failure or the timeout kills everyone. The children here are tiny scripts that import nothing heavy."""
+failure ends everyone (after a grace in which they may report it), the timeout kills everyone. The
+children here are tiny scripts that import nothing heavy."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
 open(os.path.join(sys.argv[1], f"pid{index}"), "w").write(str(os.getpid()))
 print(f"hello from {index} of {len(workers)} at {workers[index]}", flush=True)
 behaviour = sys.argv[2]
-if behaviour == "fail" and index == 1:
+if behaviour in ("fail", "report") and index == 1:
     sys.exit(3)
+if behaviour == "report":  # notices the failure a moment later, reports it, and ends on its own
+    time.sleep(1)
+    open(os.path.join(sys.argv[1], "reported"), "w").write("lost rank 1")
+    sys.exit(4)
 if behaviour in ("fail", "hang"):
     time.sleep(60)
 """
@@ -53,10 +58,22 @@ def test_every_line_carries_the_rank_and_every_process_its_config(
         assert line.startswith(f"[{index}] hello from {index} of 2 at 127.0.0.1:"), lines
 
 
-def test_the_first_failure_ends_every_process_with_its_code(tmp_path: Path) -> None:
+def test_the_first_failure_ends_every_process_with_its_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run, "GRACE_SECONDS", 2.0)
     code, seconds = start(tmp_path, "fail")
-    assert code == 3 and seconds < 30, (code, seconds)
-    assert not alive(tmp_path, 0)  # the sleeper was killed, not left behind
+    assert code == 3 and 2 <= seconds < 30, (code, seconds)
+    assert not alive(tmp_path, 0)  # the sleeper was killed after the grace, not left behind
+
+
+def test_the_others_may_report_the_failure_before_they_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run, "GRACE_SECONDS", 30.0)
+    code, seconds = start(tmp_path, "report")
+    assert code == 3 and seconds < 20, (code, seconds)  # the first failure's code, without the grace
+    assert (tmp_path / "reported").read_text() == "lost rank 1"
 
 
 def test_the_timeout_kills_everything(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
-from tf_adasum.tree import first_mismatch, indices_by_dtype, tensor_specs
+from tf_adasum.tree import evaluate, first_mismatch, indices_by_dtype, roots_within, tensor_specs, tree_pairs
 
 SHAPES = [(3, 5), (0,), (1031,), (1,), (2, 0, 3)]
 RTOL = {"float32": 1e-5, "float64": 1e-10}
@@ -71,6 +73,49 @@ def test_tree_is_the_fold_then_neighbour_pairs() -> None:
     other = tf_adasum.ops.adasum_pair(v[0][0], tf_adasum.ops.adasum_pair(v[1][0], v[2][0]))
     np.testing.assert_array_equal(got.numpy(), fold_first.numpy())
     assert not np.array_equal(got.numpy(), other.numpy())
+
+
+def test_tree_pairs_are_the_fold_then_the_levels() -> None:
+    assert tree_pairs(1) == []
+    assert tree_pairs(3) == [((0, 1), (1, 2)), ((0, 2), (2, 3))]
+    assert tree_pairs(6) == [
+        ((0, 1), (1, 2)), ((2, 3), (3, 4)),  # the fold
+        ((0, 2), (2, 4)), ((4, 5), (5, 6)),
+        ((0, 4), (4, 6)),
+    ]  # fmt: skip
+
+
+def _nested(p: int) -> object:
+    """The whole tree over p leaves, as nested pairs of leaf numbers."""
+    return evaluate({(j, j + 1): j for j in range(p)}, p, lambda a, b: (a, b))[(0, p)]
+
+
+def test_the_tree_split_over_processes_is_the_same_tree() -> None:
+    # Every way of cutting 1..12 leaves into contiguous runs (processes): each run's own roots, then
+    # the rest from every run's roots, gives the whole tree, pair for pair.
+    for p in range(1, 13):
+        whole = _nested(p)
+        parents = {child: (left[0], right[1]) for left, right in tree_pairs(p) for child in (left, right)}
+        for cuts in range(1 << (p - 1)):
+            edges = [0] + [j for j in range(1, p) if cuts >> (j - 1) & 1] + [p]
+            values: dict[tuple[int, int], object] = {}
+            for lo, hi in itertools.pairwise(edges):
+                mine = evaluate({(j, j + 1): j for j in range(lo, hi)}, p, lambda a, b: (a, b))
+                roots = roots_within(p, lo, hi)
+                assert roots[0][0] == lo and roots[-1][1] == hi  # they cover the run, in order
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(roots))
+                for span in roots:  # topmost: each one's parent reaches outside the run
+                    assert span == (0, p) or not lo <= parents[span][0] <= parents[span][1] <= hi
+                values |= {span: mine[span] for span in roots}
+            assert evaluate(values, p, lambda a, b: (a, b))[(0, p)] == whole, (p, edges)
+
+
+def test_where_the_tree_splits_inside_a_process() -> None:
+    # Two processes of three replicas: the fold pairs (2, 3) across them.
+    assert roots_within(6, 0, 3) == [(0, 2), (2, 3)]
+    assert roots_within(6, 3, 6) == [(3, 4), (4, 6)]
+    # Any number of processes of a power-of-two count: each process is one node.
+    assert all(roots_within(12, q * 4, q * 4 + 4) == [(q * 4, q * 4 + 4)] for q in range(3))
 
 
 def test_tree_across_devices_and_mixed_dtypes() -> None:

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tf_adasum import ops
 from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
-from tf_adasum.tree import describe_tensor
+from tf_adasum.tree import describe_tensor, squared_norms
 
 SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
 
@@ -131,4 +131,17 @@ def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[in
     index = tf.constant([i for group, _, _ in groups for i in group], tf.int64)
     finite = tf.math.is_finite(tf.concat([n[:, 1] for n in norms], 0))
     first = tf.reduce_min(tf.where(finite, tf.constant(np.iinfo(np.int64).max, tf.int64), index))
+    return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)
+
+
+def first_nonfinite_of(per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor | int:
+    """first_nonfinite over several lists of the same tensors (a process's replicas): the index of the
+    first tensor that is not finite in any of them, or -1. One norm kernel per replica and dtype."""
+    if not per_replica or not per_replica[0]:
+        return -1
+    finite = tf.reduce_all(tf.math.is_finite(tf.stack([squared_norms(list(r)) for r in per_replica])), 0)
+    if tf.executing_eagerly():
+        bad = np.flatnonzero(~finite.numpy())
+        return int(bad[0]) if bad.size else -1
+    first = tf.argmin(tf.cast(finite, tf.int32), output_type=tf.int64)
     return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)

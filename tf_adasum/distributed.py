@@ -11,10 +11,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import ops
+from tf_adasum import agreement, ops
 from tf_adasum.comm.base import ERRORS, Communicator, PeerError, SingleProcessCommunicator, timeout_seconds
-from tf_adasum.tree import first_mismatch, tensor_specs
-from tf_adasum.vhdd import tree_blocks, vhdd_allreduce
+from tf_adasum.tree import adasum_tree, check_replicas_match, first_mismatch, tensor_specs
+from tf_adasum.vhdd import tree_across_processes, tree_blocks, vhdd_allreduce
 
 ENGINES = ("mpi", "tf", "single")
 
@@ -196,6 +196,76 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
         if op is Average:
             out = [t / comm.size if t.dtype.is_floating else t // comm.size for t in out]
     return out[0] if single else out
+
+
+def allreduce_compressed(
+    tensors: list[Any], op: ReduceOp, compression: str, names: Sequence[str]
+) -> list[Any]:
+    """allreduce; with compression "fp16", float32 and float64 tensors travel as float16."""
+    if compression == "none":
+        return allreduce(tensors, op=op, names=names)
+    return _widened(allreduce(_narrowed(tensors), op=op, names=names), tensors)
+
+
+def _narrowed(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    return [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t for t in tensors]
+
+
+def _widened(reduced: Sequence[tf.Tensor], like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    return [tf.cast(r, t.dtype) for r, t in zip(reduced, like, strict=True)]
+
+
+# As allreduce: plain Python inside a tf.function.
+@tf.autograph.experimental.do_not_convert
+def allreduce_replicas(
+    per_replica: Sequence[Sequence[Any]], names: Sequence[str] | None = None, compression: str = "none"
+) -> list[tf.Tensor]:
+    """Adasum over every replica of every process: the contract tree over all of them, in rank order.
+
+    Args:
+        per_replica: per_replica[j] is this process's replica j's list of tensors. Every replica of
+            every process has the same tensors (shapes and dtypes); processes may hold different
+            numbers of replicas. Process 0's replicas are the tree's first leaves, then process 1's...
+        names: optional names of the tensors, used in error messages.
+        compression: "fp16": float32 and float64 tensors cross processes as float16.
+
+    Returns:
+        The combined tensors, bitwise identical on every process.
+
+    When every process holds the same power-of-two number L of replicas, the tree over all P*L
+    replicas is the tree over the processes of each process's tree over its own L (the fold and every
+    level pair whole processes), so each process combines its own and VHDD combines the processes.
+    Otherwise the tree splits inside processes: vhdd.tree_across_processes.
+
+    Raises:
+        As allreduce(op=Adasum); a replica's NaN or Inf is reported by every process.
+    """
+    comm = init()
+    local = [[tf.convert_to_tensor(t) for t in r] for r in per_replica]
+    if comm.size == 1:
+        return adasum_tree(local)
+    check_replicas_match(local)
+    ops.check_float_tensors("allreduce_replicas", local[0], one_dtype=False)
+    # One metadata round for both: every process's replica count, and its tensors.
+    everyone = comm.allgather_object((len(local), tensor_specs(local[0])), "Adasum metadata check")
+    mismatch = first_mismatch([specs for _, specs in everyone], "rank", names)
+    if mismatch is not None:
+        raise ValueError(f"allreduce(op=Adasum): {mismatch}")
+    counts = [count for count, _ in everyone]
+    if max(counts) > 1:
+        # A NaN would stop one process inside its own part of the tree and leave the others waiting:
+        # every process checks all of its replicas first, and all raise the same error.
+        code = agreement.first_nonfinite_of(local)
+        checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(local[0]), names)
+        if not tf.executing_eagerly():
+            with tf.control_dependencies([checked]):
+                local = [[tf.identity(t) for t in r] for r in local]
+    if len(set(counts)) == 1 and counts[0] & (counts[0] - 1) == 0:
+        combined = adasum_tree(local) if len(local) > 1 else local[0]
+        if compression == "none":
+            return vhdd_allreduce(comm, combined, names)
+        return _widened(vhdd_allreduce(comm, _narrowed(combined), names), combined)
+    return tree_across_processes(comm, local, counts, fp16=compression == "fp16")
 
 
 @tf.autograph.experimental.do_not_convert

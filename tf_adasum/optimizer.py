@@ -7,8 +7,8 @@ This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figur
    (`extended.update` with per-replica gradients) then steps each replica's copy of every variable
    and of every slot on its device, so momentum and Adam moments stay per replica.
 2. Every `sync_every` steps the deltas since the last sync, `w_replica - w_anchor`, are combined with
-   the contract tree over this process's replicas and, across processes, with tf_adasum.allreduce;
-   every replica then holds `w_anchor + adasum(deltas)`, bitwise identical.
+   the contract tree over every replica of every process (distributed.allreduce_replicas); every
+   replica then holds `w_anchor + adasum(deltas)`, bitwise identical.
 
 Under a strategy Keras scales each replica's loss by 1/N so that summed gradients average; the
 gradients are multiplied back by N, so each local step is exactly a single-worker step on that
@@ -27,9 +27,9 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from tf_adasum import _compat, agreement, distributed, ops
+from tf_adasum import _compat, agreement, distributed
 from tf_adasum.callbacks import broadcast_variables, syncs_in_apply, tf_variable
-from tf_adasum.tree import adasum_tree, indices_by_dtype
+from tf_adasum.tree import squared_norms
 
 COMPRESSIONS = ("none", "fp16")
 
@@ -60,15 +60,6 @@ def _check_compression(compression: str) -> str:
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     return compression
-
-
-def _allreduce_compressed(tensors: list[Any], op: Any, compression: str, names: list[str]) -> list[Any]:
-    """tf_adasum.allreduce across processes; with "fp16", floating tensors travel as float16."""
-    if compression == "none":
-        return distributed.allreduce(tensors, op=op, names=names)
-    sent = [tf.cast(t, tf.float16) if t.dtype in (tf.float32, tf.float64) else t for t in tensors]
-    reduced = distributed.allreduce(sent, op=op, names=names)
-    return [tf.cast(r, t.dtype) for r, t in zip(reduced, tensors, strict=True)]
 
 
 class SyncStats:
@@ -113,17 +104,6 @@ def sync_stats(optimizer: Any) -> SyncStats | None:
     return _STATS.get(optimizer)
 
 
-def squared_norms(tensors: list[Any]) -> tf.Tensor:
-    """|t|^2 of each tensor, in float64, with one fused kernel per dtype."""
-    out: list[Any] = [None] * len(tensors)
-    for index in indices_by_dtype(tensors):
-        group = [tensors[i] for i in index]
-        rows = ops.adasum_dot_norms(group, group)[:, 1]
-        for j, i in enumerate(index):
-            out[i] = rows[j]
-    return tf.stack(out) if out else tf.zeros([0], tf.float64)
-
-
 def sync_deltas(
     distribution: tf.distribute.Strategy,
     variables: list[Any],
@@ -133,9 +113,9 @@ def sync_deltas(
 ) -> tf.Tensor:
     """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
 
-    The deltas since the last sync are combined with the contract tree over this process's replicas
-    and, across processes, with tf_adasum.allreduce; every replica and every process then holds the
-    same weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
+    The deltas since the last sync are combined with the contract tree over every replica of every
+    process (distributed.allreduce_replicas); every replica and every process then holds the same
+    weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
     records the squared norms OrthogonalityMonitor reads.
     """
     per_variable = [_local_values(distribution, v) for v in variables]
@@ -145,11 +125,10 @@ def sync_deltas(
         [tf.identity(values[r]) - anchor for values, anchor in zip(per_variable, anchor_values, strict=True)]
         for r in range(replicas)
     ]
-    delta = adasum_tree(per_replica) if replicas > 1 else per_replica[0]
+    names = [getattr(v, "path", None) or v.name for v in variables]
+    delta = distributed.allreduce_replicas(per_replica, names, compression)
     deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
     if distributed.init().size > 1:
-        names = [getattr(v, "path", None) or v.name for v in variables]
-        delta = _allreduce_compressed(delta, distributed.Adasum, compression, names)
         if deltas_sq is not None:
             deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
     if stats is not None:
@@ -538,7 +517,9 @@ class AllreduceOptimizer(WrappedOptimizer):
             present = [i for i, g in enumerate(grads) if g is not None]
             variables = list(trainable_variables) if trainable_variables is not None else None
             names = [variables[i].path for i in present] if variables is not None else []
-            reduced = _allreduce_compressed([grads[i] for i in present], self.op, self.compression, names)
+            reduced = distributed.allreduce_compressed(
+                [grads[i] for i in present], self.op, self.compression, names
+            )
             grads = list(grads)
             for i, g in zip(present, reduced, strict=True):
                 grads[i] = g

@@ -4,8 +4,10 @@ Usage:
     python -m tf_adasum.run -np N [--timeout SECONDS] script.py [args ...]
 
 Every process gets a TF_CONFIG naming N workers on free ports of 127.0.0.1 and its own index. Output
-lines are prefixed with "[rank]". The exit code is the first failure's (0 if all succeed); when one
-process fails, or on Ctrl-C or the timeout, all others are killed.
+lines are prefixed with "[rank]". The exit code is the first failure's (0 if all succeed). When one
+process fails, the others have GRACE_SECONDS to end on their own (tf_adasum raises PeerError in them,
+naming the lost rank, and a script can report it), then are killed; on Ctrl-C or the timeout all are
+killed at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+
+# How long the others may take to notice a failed process and end with their own error.
+GRACE_SECONDS = 10.0
 
 
 def free_ports(n: int) -> list[int]:
@@ -60,14 +65,18 @@ def launch(np: int, command: list[str], timeout: float | None = None) -> int:
                 os.killpg(p.pid, signal.SIGKILL)
 
     deadline = None if timeout is None else time.monotonic() + timeout
+    first_failure: tuple[int, float] | None = None
     try:
         while True:
             codes = [p.poll() for p in processes]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                kill_all()
-                return failed[0]
-            if all(c == 0 for c in codes):
+            if failed and first_failure is None:
+                first_failure = (failed[0], time.monotonic())
+            if first_failure is not None:
+                if all(c is not None for c in codes) or time.monotonic() > first_failure[1] + GRACE_SECONDS:
+                    kill_all()
+                    return first_failure[0]
+            elif all(c == 0 for c in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 kill_all()

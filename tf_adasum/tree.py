@@ -11,7 +11,7 @@ The distributed algorithm (vhdd.py) computes the same tree across processes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -99,10 +99,66 @@ def adasum_pair_any_dtypes(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> li
     return out
 
 
-def _pair_on_left_device(a: list[tf.Tensor], b: list[tf.Tensor]) -> list[tf.Tensor]:
+def squared_norms(tensors: list[Any]) -> tf.Tensor:
+    """|t|^2 of each tensor, in float64, with one fused kernel per dtype."""
+    out: list[Any] = [None] * len(tensors)
+    for index in indices_by_dtype(tensors):
+        group = [tensors[i] for i in index]
+        rows = ops.adasum_dot_norms(group, group)[:, 1]
+        for j, i in enumerate(index):
+            out[i] = rows[j]
+    return tf.stack(out) if out else tf.zeros([0], tf.float64)
+
+
+def pair_on_left_device(a: list[tf.Tensor], b: list[tf.Tensor]) -> list[tf.Tensor]:
     # The pair is combined where the left operand lives; the right operand is copied there.
     with tf.device(a[0].device if a and hasattr(a[0], "device") else None):
         return adasum_pair_any_dtypes(a, b)
+
+
+Span = tuple[int, int]  # the leaves [lo, hi) under one node of the tree
+
+
+def tree_pairs(p: int) -> list[tuple[Span, Span]]:
+    """The contract tree over p leaves as the pairs it combines, children before parents.
+
+    Each pair is (left, right); the node it makes spans (left[0], right[1]). The first r pairs are the
+    fold, then the levels follow in order.
+    """
+    _, r = fold_size(p)
+    pairs = [((2 * i, 2 * i + 1), (2 * i + 1, 2 * i + 2)) for i in range(r)]
+    level = [(2 * i, 2 * i + 2) for i in range(r)] + [(j, j + 1) for j in range(2 * r, p)]
+    while len(level) > 1:
+        pairs += [(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        level = [(level[i][0], level[i + 1][1]) for i in range(0, len(level), 2)]
+    return pairs
+
+
+def evaluate(values: dict[Span, Any], p: int, pair: Callable[[Any, Any], Any]) -> dict[Span, Any]:
+    """Fills in every node of the tree over p leaves whose two children `values` holds (or comes to hold).
+
+    With every leaf given, the root (0, p) ends up in `values`; with only the leaves [lo, hi) given, the
+    nodes under them do, and roots_within(p, lo, hi) are the topmost of those.
+    """
+    for left, right in tree_pairs(p):
+        if left in values and right in values:
+            values[(left[0], right[1])] = pair(values[left], values[right])
+    return values
+
+
+def roots_within(p: int, lo: int, hi: int) -> list[Span]:
+    """The topmost nodes of the tree over p leaves whose leaves all lie in [lo, hi), in leaf order.
+
+    A process that holds the leaves [lo, hi) can compute these alone; every other node needs leaves
+    from elsewhere.
+    """
+    inside = {(j, j + 1) for j in range(lo, hi)}
+    children = set()
+    for left, right in tree_pairs(p):
+        if left in inside and right in inside:
+            inside.add((left[0], right[1]))
+            children |= {left, right}
+    return sorted(inside - children)
 
 
 def adasum_tree(per_replica: Sequence[Sequence[Any]], device: str | None = None) -> list[tf.Tensor]:
@@ -125,14 +181,12 @@ def adasum_tree(per_replica: Sequence[Sequence[Any]], device: str | None = None)
         >>> tf_adasum.adasum_tree([[tf.constant([1.0, 0.0])], [tf.constant([0.0, 1.0])]])  # [[1., 1.]]
     """
     replicas = [[tf.convert_to_tensor(t) for t in r] for r in per_replica]
-    _, r = fold_size(len(replicas))
+    p = len(replicas)
+    fold_size(p)  # at least one replica
     check_replicas_match(replicas)
     ops.check_float_tensors("adasum_tree", replicas[0], one_dtype=False)
-    level = [_pair_on_left_device(replicas[2 * i], replicas[2 * i + 1]) for i in range(r)]
-    level += replicas[2 * r :]
-    while len(level) > 1:
-        level = [_pair_on_left_device(level[i], level[i + 1]) for i in range(0, len(level), 2)]
-    result = level[0]
+    leaves = {(j, j + 1): replicas[j] for j in range(p)}
+    result = evaluate(leaves, p, pair_on_left_device)[(0, p)]
     if device is None:
         return result
     with tf.device(device):

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from tf_adasum import _compat, agreement, ops
 from tf_adasum.comm.base import Communicator
-from tf_adasum.tree import fold_size, indices_by_dtype
+from tf_adasum.tree import Span, evaluate, fold_size, indices_by_dtype, pair_on_left_device, roots_within
 
 
 def virtual_to_real(v: int, r: int) -> int:
@@ -342,23 +342,82 @@ def vhdd_allreduce(
             combined = _vhdd_host_graph(comm, buffer, starts)
         else:
             combined = vhdd_fused(comm, buffer, starts)
-        # One split at the aligned tensor starts: every piece starts aligned, so all are views of the
-        # buffer. (A split that also cut the padding off would copy everything: TensorFlow shares the
-        # buffer only when every piece is aligned.) A padded tensor's piece is then cut at 0, a view.
-        pieces = tf.split(combined, np.diff(starts).tolist())
-        eager = tf.executing_eagerly()
-        for i, piece, pad in zip(index, pieces, pads, strict=True):
-            size = int(np.prod(tensors[i].shape.as_list()))
-            if eager:
-                # Cached shape tensors make each eager op ~5 us instead of ~25 (converting a Python
-                # shape costs more than the op): ~3 ms a call on ResNet-50's 161 tensors.
-                if pad:
-                    piece = tf.raw_ops.Slice(
-                        input=piece, begin=_shape_tensor((0,)), size=_shape_tensor((size,))
-                    )
-                out[i] = tf.raw_ops.Reshape(
-                    tensor=piece, shape=_shape_tensor(tuple(tensors[i].shape.as_list()))
-                )
-            else:
-                out[i] = tf.reshape(piece[:size] if pad else piece, tensors[i].shape)
+        for i, tensor in zip(
+            index, _unfuse(combined, starts, pads, [tensors[i].shape for i in index]), strict=True
+        ):
+            out[i] = tensor
     return [t for t in out if t is not None]
+
+
+def _unfuse(
+    combined: tf.Tensor, starts: Sequence[int], pads: Sequence[int], shapes: Sequence[tf.TensorShape]
+) -> list[tf.Tensor]:
+    """The tensors back out of a buffer that _fuse or _fuse_host laid out, as views of it where they can be.
+
+    One split at the aligned tensor starts: every piece starts aligned, so all are views of the buffer.
+    (A split that also cut the padding off would copy everything: TensorFlow shares the buffer only when
+    every piece is aligned.) A padded tensor's piece is then cut at 0, a view.
+    """
+    pieces = tf.split(combined, np.diff(starts).tolist())
+    eager = tf.executing_eagerly()
+    out = []
+    for piece, pad, shape in zip(pieces, pads, shapes, strict=True):
+        size = int(np.prod(shape.as_list()))
+        if eager:
+            # Cached shape tensors make each eager op ~5 us instead of ~25 (converting a Python shape
+            # costs more than the op): ~3 ms a call on ResNet-50's 161 tensors.
+            if pad:
+                piece = tf.raw_ops.Slice(input=piece, begin=_shape_tensor((0,)), size=_shape_tensor((size,)))
+            out.append(tf.raw_ops.Reshape(tensor=piece, shape=_shape_tensor(tuple(shape.as_list()))))
+        else:
+            out.append(tf.reshape(piece[:size] if pad else piece, shape))
+    return out
+
+
+def tree_across_processes(
+    comm: Communicator, per_replica: Sequence[Sequence[tf.Tensor]], counts: Sequence[int], fp16: bool = False
+) -> list[tf.Tensor]:
+    """The contract tree over every replica of every process, for any numbers of replicas per process.
+
+    Process q holds the leaves [counts[0] + ... + counts[q-1], ... + counts[q]) of the tree over
+    sum(counts) replicas. Each process combines the nodes it can alone (tree.roots_within: where the
+    tree splits inside a process, it holds two or more such roots), every process gathers every
+    process's roots, and every process combines the rest of the tree from the gathered copies, with the
+    same ops in the same order: the same bits on every process, and the same bits as adasum_tree over
+    all the replicas in one process. Each process receives every other's roots whole, so this moves
+    more than VHDD; distributed.allreduce_replicas takes VHDD when every process holds the same
+    power-of-two number of replicas, where the tree splits only between processes.
+
+    Args:
+        comm: the communicator.
+        per_replica: this process's replicas' tensors, counts[comm.rank] lists, already checked to match
+            every other process's and to be finite (no agreement runs here).
+        counts: every process's number of replicas, in rank order.
+        fp16: float32 and float64 roots cross processes as float16 (compression="fp16").
+    """
+    total = sum(counts)
+    firsts = np.cumsum([0, *counts]).tolist()
+    roots = [roots_within(total, firsts[q], firsts[q + 1]) for q in range(comm.size)]
+    lo = firsts[comm.rank]
+    mine = evaluate(
+        {(lo + j, lo + j + 1): list(r) for j, r in enumerate(per_replica)}, total, pair_on_left_device
+    )
+    sent = [mine[span] for span in roots[comm.rank]]
+    tensors = sent[0]
+    width = max(len(r) for r in roots)
+    values: dict[Span, list[Any]] = {span: [None] * len(tensors) for spans in roots for span in spans}
+    for index in indices_by_dtype(tensors):
+        fused = [_fuse(root, index) for root in sent]
+        starts, pads = fused[0][1], fused[0][2]
+        buffers = [buffer for buffer, _, _ in fused]
+        dtype = buffers[0].dtype
+        stacked = tf.stack(buffers + [tf.zeros_like(buffers[0])] * (width - len(buffers)))
+        narrow = fp16 and dtype in (tf.float32, tf.float64)
+        gathered = comm.allgather(tf.cast(stacked, tf.float16) if narrow else stacked)
+        gathered = tf.cast(gathered, dtype) if narrow else gathered
+        shapes = [tensors[i].shape for i in index]
+        for q, spans in enumerate(roots):
+            for k, span in enumerate(spans):
+                for i, t in zip(index, _unfuse(gathered[q, k], starts, pads, shapes), strict=True):
+                    values[span][i] = t
+    return evaluate(values, total, pair_on_left_device)[(0, total)]
