@@ -6,15 +6,18 @@ Usage:
 
 Rank 0 prints one JSON line per case: 1, 4, 16 and 64 MB of float32 in one tensor, and a
 ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in this run:
-    adasum_ms    tf_adasum.allreduce(op=Adasum), median over repeats
+    adasum_ms    tf_adasum.allreduce(op=Adasum), called eagerly, median over repeats
+    compiled_ms  the same call inside a tf.function, as in a compiled train step
     sum_ms       the engine's own sum all-reduce of the same bytes: MPI.Allreduce on one numpy buffer
                  (MPI); MultiWorkerMirroredStrategy's all-reduce of the same tensors (TF)
-    ratio        adasum_ms / sum_ms
+    ratio        adasum_ms / sum_ms (compiled_ratio: compiled_ms / sum_ms)
     horovod_ms   hvd.allreduce(op=hvd.Adasum) of the same data, when Horovod with MPI is importable
                  and the number of ranks is a power of two (Horovod's Adasum refuses others)
     sent_mb      (MPI) the most any rank sent in one Adasum call: exchanges and block sums
     bound_mb     2 (P - 1) / P times the data, what each rank must send in a bandwidth-optimal
                  all-reduce (reduce-scatter then all-gather)
+    vhdd_ms, gather_ms, and *_compiled_ms   with --algorithms: the same, each algorithm forced
+                 (TF_ADASUM_ALGORITHM)
 
 For the cost table in benchmarks/README.md: --megabytes 1 4 16 64 256 at 2, 3 and 4 ranks.
 """
@@ -60,6 +63,16 @@ def engine_sum(comm: Any, tensors: list[tf.Tensor]) -> tuple[Callable[[], Any], 
     return (lambda: [t.numpy() for t in tf.nest.flatten(mwms_sum())]), barrier
 
 
+def adasum_times(tensors: list[tf.Tensor], repeats: int, barrier: Callable[[], None]) -> tuple[float, float]:
+    """Median ms of tf_adasum.allreduce(op=Adasum) called eagerly, and inside a tf.function (traced
+    here, so under the algorithm chosen now)."""
+    eager = median_ms(lambda: [x.numpy() for x in tf_adasum.allreduce(tensors)], repeats, before=barrier)
+    compiled = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    compiled(tensors)
+    inside = median_ms(lambda: [x.numpy() for x in compiled(tensors)], repeats, before=barrier)
+    return eager, inside
+
+
 def horovod_adasum() -> Callable[[list[tf.Tensor]], Any] | None:
     """hvd.allreduce(op=hvd.Adasum) over a list, if Horovod with MPI is importable."""
     try:
@@ -79,6 +92,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--megabytes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument(
+        "--algorithms", nargs="*", default=[], choices=["vhdd", "gather"], help="also time each one forced"
+    )
+    parser.add_argument(
         "--no-horovod",
         action="store_true",
         help="leave Horovod out: its background thread slows other MPI traffic in its process",
@@ -92,9 +108,7 @@ def main() -> None:
     for name, shapes in cases:
         tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
         sum_fn, barrier = engine_sum(comm, tensors)
-        adasum_ms = median_ms(
-            lambda t=tensors: [x.numpy() for x in tf_adasum.allreduce(t)], args.repeats, before=barrier
-        )
+        adasum_ms, compiled_ms = adasum_times(tensors, args.repeats, barrier)
         sum_ms = median_ms(sum_fn, args.repeats, before=barrier)
         sent = None
         if comm.engine == "mpi":
@@ -109,7 +123,14 @@ def main() -> None:
             "adasum_ms": round(adasum_ms, 2),
             "sum_ms": round(sum_ms, 2),
             "ratio": round(adasum_ms / sum_ms, 2),
+            "compiled_ms": round(compiled_ms, 2),
+            "compiled_ratio": round(compiled_ms / sum_ms, 2),
         }
+        for forced in args.algorithms:
+            os.environ["TF_ADASUM_ALGORITHM"] = forced
+            eager, compiled = adasum_times(tensors, args.repeats, barrier)
+            del os.environ["TF_ADASUM_ALGORITHM"]
+            row |= {f"{forced}_ms": round(eager, 2), f"{forced}_compiled_ms": round(compiled, 2)}
         if sent is not None:
             size = 4 * sum(int(np.prod(s)) for s in shapes)
             row |= {

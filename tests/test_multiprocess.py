@@ -21,11 +21,16 @@ def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] 
     return processes.launch(engine, p, out, [WORKER, str(out), mode], extra_env)
 
 
+# The default algorithm (vhdd.algorithm: one all-gather at 2 ranks, VHDD above), and each forced
+# where the default is the other.
 @pytest.mark.parametrize(
-    ("engine", "p"), [("mpi", p) for p in range(2, 8)] + [("tf", 2), ("tf", 3), ("tf", 4)]
+    ("engine", "p", "forced"),
+    [("mpi", p, "") for p in range(2, 8)]
+    + [("tf", 2, ""), ("tf", 3, ""), ("tf", 4, "")]
+    + [("mpi", 2, "vhdd"), ("tf", 2, "vhdd"), ("mpi", 3, "gather"), ("tf", 3, "gather")],
 )
-def test_allreduce_across_processes(engine: str, p: int, tmp_path: Path) -> None:
-    code = launch(engine, p, tmp_path, "checks")
+def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: Path) -> None:
+    code = launch(engine, p, tmp_path, "checks", {"TF_ADASUM_ALGORITHM": forced} if forced else None)
     assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
     results = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(p)]
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(p)]

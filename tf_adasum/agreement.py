@@ -3,12 +3,12 @@
 A model sync across processes is only correct when every rank arrives at it with a finite update and
 the same step; a rank that arrives with NaN, or has run out of data, would otherwise leave the others
 waiting in the middle of the algorithm until the timeout. So each sync starts with one tiny collective,
-`Communicator.agree`, of two int64 codes per rank:
+`Communicator.agree`, of three int64 codes per rank:
 
-    (SYNC, -1)          ready, update finite
-    (SYNC, i)           ready, but tensor i of the update holds NaN or Inf
-    (EPOCH_END, n)      this rank finished its epoch after n batches
-    (LOSS_SCALE, f)     mixed precision, before a step: f = 1 if this rank's gradients overflowed
+    (SYNC, -1, m)       ready, update finite; m fingerprints its tensors' shapes and dtypes (0: none)
+    (SYNC, i, m)        ready, but tensor i of the update holds NaN or Inf
+    (EPOCH_END, n, 0)   this rank finished its epoch after n batches
+    (LOSS_SCALE, f, 0)  mixed precision, before a step: f = 1 if this rank's gradients overflowed
 
 A rank at a sync and a rank at an epoch end meet in the same collective, so both see the mismatch; so
 do ranks at two different kinds of check, which would otherwise pair two different steps.
@@ -18,6 +18,7 @@ same step, eagerly or from inside a compiled train step.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,11 +26,22 @@ import tensorflow as tf
 
 from tf_adasum import ops
 from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
-from tf_adasum.tree import describe_tensor, squared_norms
+from tf_adasum.tree import describe_tensor, squared_norms, tensor_specs
 
 SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
 
 _KINDS = {SYNC: "a model sync", EPOCH_END: "an epoch end", LOSS_SCALE: "a mixed-precision check"}
+
+
+class MetadataDiffers(ValueError):
+    """The ranks' fingerprints of their tensors differ; the caller finds out how (check_same_on_all_ranks)."""
+
+
+def fingerprint(tensors: Sequence[tf.Tensor]) -> int:
+    """A 63-bit digest of the tensors' count, shapes and dtypes, the same in every process."""
+    digest = hashlib.blake2b(repr(tensor_specs(tensors)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
 
 _WHAT_TO_DO = (
     "give every rank the same number of batches per epoch (equal shards, drop_remainder=True), or pass "
@@ -38,10 +50,10 @@ _WHAT_TO_DO = (
 
 
 def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None = None) -> None:
-    """Raises the error that a gathered [size, 2] table of codes calls for; the same on every rank.
+    """Raises the error that a gathered [size, 3] table of codes calls for; the same on every rank.
 
     Args:
-        table: row r is rank r's (kind, value).
+        table: row r is rank r's (kind, value, metadata); metadata may be left out.
         count: how many tensors the sync carries, for the message.
         names: their names, for the message.
 
@@ -71,6 +83,9 @@ def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None =
         raise RuntimeError(f"the ranks are at different checks ({at}): their steps no longer match")
     if kinds[0] == LOSS_SCALE:
         return
+    if table.shape[1] > 2 and len(set(table[:, 2].tolist())) > 1:
+        prints = ", ".join(f"rank {r}: {int(m):#x}" for r, m in enumerate(table[:, 2]))
+        raise MetadataDiffers(f"the ranks' tensors differ in count, shape or dtype (fingerprints {prints})")
     bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
     if bad:
         where = "; ".join(f"rank {r}: {describe_tensor(i, count, names)}" for r, i in bad)
@@ -88,16 +103,22 @@ def agree(
     what: str,
     count: int = 0,
     names: Sequence[str] | None = None,
+    metadata: int = 0,
 ) -> tf.Tensor:
-    """Gathers every rank's (kind, value) and raises on every rank if they disagree.
+    """Gathers every rank's (kind, value, metadata) and raises on every rank if they disagree.
+
+    `metadata` is a fingerprint() of a sync's tensors; ranks whose fingerprints differ raise
+    MetadataDiffers, before any data moves.
 
     Returns:
         A tensor to make later work depend on (inside a tf.function the check runs as an op).
     """
     if isinstance(value, int):
-        codes = tf.constant([kind, value], tf.int64)
+        codes = tf.constant([kind, value, metadata], tf.int64)
     else:
-        codes = tf.stack([tf.constant(kind, tf.int64), tf.cast(value, tf.int64)])
+        codes = tf.stack(
+            [tf.constant(kind, tf.int64), tf.cast(value, tf.int64), tf.constant(metadata, tf.int64)]
+        )
     table = comm.agree(codes, what)
     if tf.executing_eagerly():
         check_table(table.numpy(), count, names)

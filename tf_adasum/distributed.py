@@ -185,13 +185,23 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     """
     comm = init()
     op = ReduceOp(op)
-    items, single = ops.as_tensor_list(f"allreduce(op={op.name.title()})", tensors)
+    what = f"allreduce(op={op.name.title()})"
+    items, single = ops.as_tensor_list(what, tensors)
     if op is Adasum:
-        ops.check_float_tensors("allreduce(op=Adasum)", items, one_dtype=False)
-    check_same_on_all_ranks(comm, items, f"allreduce(op={op.name.title()})", names)
-    if op is Adasum:
+        ops.check_float_tensors(what, items, one_dtype=False)
+    if op is Adasum and tf.executing_eagerly() and comm.size > 1:
+        # Eagerly the shapes are checked by fingerprint in the sync's agreement, with no round of
+        # their own; how they differ is gathered only when they do.
+        try:
+            out = vhdd_allreduce(comm, items, names, agreement.fingerprint(items))
+        except agreement.MetadataDiffers:
+            check_same_on_all_ranks(comm, items, what, names)
+            raise
+    elif op is Adasum:  # traced: the check runs once, at trace time
+        check_same_on_all_ranks(comm, items, what, names)
         out = vhdd_allreduce(comm, items, names)
     else:
+        check_same_on_all_ranks(comm, items, what, names)
         out = [comm.allreduce_sum(t) for t in items]
         if op is Average:
             out = [t / comm.size if t.dtype.is_floating else t // comm.size for t in out]

@@ -232,6 +232,65 @@ def vhdd_host(comm: Any, buf: np.ndarray, tensor_starts: Sequence[int], threads:
         comm.sendrecv_host(rank + 1, buf, nothing, "adasum result to folded rank")
 
 
+def gather_fused(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
+    """The contract tree over every rank of a fused 1-D buffer, by one all-gather.
+
+    Every rank receives every other's whole buffer and combines the whole tree itself, with the same
+    ops in the same order as the others: the same bits everywhere. Each rank sends its buffer to
+    every other, (P - 1) N in all; VHDD sends 2 N (P - 1) / P. At 2 ranks that is the same bytes in one
+    collective instead of VHDD's three, with twice the arithmetic; above, it is for small buffers.
+    """
+    offsets = np.asarray(tensor_starts, np.int64)
+    total, n = int(offsets[-1]), len(offsets) - 1
+    if total == 0:
+        return buffer
+    rows = comm.allgather(buffer)
+    everything = _pieces(offsets, 0, total)
+
+    def pair(left: tf.Tensor, right: tf.Tensor) -> tf.Tensor:
+        return _combine_segment(comm, left, right, everything, n, [comm.rank])
+
+    return evaluate({(q, q + 1): rows[q] for q in range(comm.size)}, comm.size, pair)[(0, comm.size)]
+
+
+def gather_host(comm: Any, buf: np.ndarray, tensor_starts: Sequence[int], threads: int = 1) -> None:
+    """gather_fused on a numpy buffer, in place, for a communicator with host buffers (MPI)."""
+    offsets = np.asarray(tensor_starts, np.int64)
+    total, n = int(offsets[-1]), len(offsets) - 1
+    if total == 0:
+        return
+    rows = np.empty((comm.size, total), buf.dtype)
+    comm.allgather_host(buf, rows, "adasum gather")
+    everything = _pieces(offsets, 0, total)
+
+    def pair(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        # Each node's result lives in its first leaf's row.
+        _combine_host(comm, left, right, left, everything, n, [comm.rank], threads)
+        return left
+
+    buf[:] = evaluate({(q, q + 1): rows[q] for q in range(comm.size)}, comm.size, pair)[(0, comm.size)]
+
+
+ALGORITHMS = ("vhdd", "gather")
+GATHER_BELOW_BYTES = 4 << 20
+
+
+def algorithm(comm: Communicator, nbytes: int) -> str:
+    """How to combine one fused buffer of nbytes across comm's ranks: "vhdd" or "gather".
+
+    $TF_ADASUM_ALGORITHM forces one (for benchmarks and for checking one against the other).
+    """
+    forced = os.environ.get("TF_ADASUM_ALGORITHM")
+    if forced:
+        if forced not in ALGORITHMS:
+            raise ValueError(f"TF_ADASUM_ALGORITHM={forced!r}; expected one of {ALGORITHMS}")
+        return forced
+    if getattr(comm, "host_buffers", False):
+        return "vhdd"  # on host memory VHDD measured as fast at 1 MB and faster above (benchmarks/README.md)
+    # The TF engine pays ~1 ms a collective: below this, latency rules and one all-gather wins.
+    return "gather" if nbytes * (comm.size - 1) <= GATHER_BELOW_BYTES else "vhdd"
+
+
 def host_threads(comm: Communicator) -> int:
     """Threads for one rank's host arithmetic: this machine's cores shared among its ranks."""
     return max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
@@ -266,12 +325,12 @@ def _fuse_host(
     return buffer, starts.tolist(), pads, view, norms
 
 
-def _vhdd_host_graph(comm: Communicator, buffer: tf.Tensor, starts: list[int]) -> tf.Tensor:
-    """vhdd_host inside a tf.function: one host call for the whole algorithm."""
+def _vhdd_host_graph(comm: Communicator, buffer: tf.Tensor, starts: list[int], by_gather: bool) -> tf.Tensor:
+    """vhdd_host (or gather_host) inside a tf.function: one host call for the whole algorithm."""
 
     def run(x: np.ndarray) -> np.ndarray:
         buf = np.array(x)  # a writable copy of TensorFlow's input
-        vhdd_host(comm, buf, starts, host_threads(comm))
+        (gather_host if by_gather else vhdd_host)(comm, buf, starts, host_threads(comm))
         return buf
 
     out = tf.numpy_function(run, [buffer], buffer.dtype, stateful=True)
@@ -296,11 +355,12 @@ def _fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> tuple[tf.Tensor, li
 
 
 def vhdd_allreduce(
-    comm: Communicator, tensors: Sequence[tf.Tensor], names: Sequence[str] | None = None
+    comm: Communicator, tensors: Sequence[tf.Tensor], names: Sequence[str] | None = None, metadata: int = 0
 ) -> list[tf.Tensor]:
     """Adasum of every rank's tensors by the contract tree; tensors of each dtype are fused.
 
-    First every rank agrees (agreement.py) that all ranks are at this sync with finite tensors;
+    First every rank agrees (agreement.py) that all ranks are at this sync with finite tensors, and,
+    given `metadata` (agreement.fingerprint of the tensors), with the same shapes and dtypes;
     otherwise every rank raises the same error before any data moves.
     """
     if comm.size == 1:
@@ -328,20 +388,21 @@ def vhdd_allreduce(
         code = agreement.first_nonfinite(
             [(index, buffer, starts) for index, (buffer, starts, *_) in zip(indices, groups, strict=True)]
         )
-    checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names)
+    checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names, metadata)
 
     out: list[tf.Tensor | None] = [None] * len(tensors)
     for index, (buffer, starts, pads, view, _) in zip(indices, groups, strict=True):
         if not tf.executing_eagerly():  # eagerly, agree() has already raised or passed
             with tf.control_dependencies([checked]):
                 buffer = tf.identity(buffer)
+        by_gather = algorithm(comm, int(starts[-1]) * buffer.dtype.size) == "gather"
         if view is not None:  # eagerly, on the host: in place in the fused tensor's memory
-            vhdd_host(comm, view, starts, threads)
+            (gather_host if by_gather else vhdd_host)(comm, view, starts, threads)
             combined = buffer
         elif host:
-            combined = _vhdd_host_graph(comm, buffer, starts)
+            combined = _vhdd_host_graph(comm, buffer, starts, by_gather)
         else:
-            combined = vhdd_fused(comm, buffer, starts)
+            combined = (gather_fused if by_gather else vhdd_fused)(comm, buffer, starts)
         for i, tensor in zip(
             index, _unfuse(combined, starts, pads, [tensors[i].shape for i in index]), strict=True
         ):

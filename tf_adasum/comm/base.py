@@ -85,7 +85,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
-        """Every rank's int64 [2] control codes, as [size, 2] in rank order.
+        """Every rank's int64 [3] control codes, as [size, 3] in rank order.
 
         The one collective that every rank calls at a model sync and at the end of an epoch, so that a
         rank in one and a rank in the other meet, see the difference, and raise instead of waiting for

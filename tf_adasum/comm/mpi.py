@@ -41,6 +41,9 @@ class MPICommunicator(Communicator):
         # Control codes travel on their own communicator: MPI matches collectives per communicator, so
         # a rank at a sync and a rank at an epoch end meet in agree() whatever else is pending.
         self._control = MPI.COMM_WORLD.Dup()
+        # So does Adasum's all-gather (vhdd.gather_host): another collective of the same step, such as
+        # the averaging of logs, may be issued before it on one rank and after it on another.
+        self._adasum = MPI.COMM_WORLD.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         cross = self._comm.Split(color=local.Get_rank(), key=self._comm.Get_rank())
         super().__init__(
@@ -117,12 +120,18 @@ class MPICommunicator(Communicator):
         ]
         self._wait(requests, what, f"rank {peer}")
 
-    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these two.
+    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these three.
     host_buffers = True
 
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
         """Sends `send` to `peer` and receives its message into `recv` (contiguous, written in place)."""
         self._sendrecv(peer, send, recv, what)
+
+    def allgather_host(self, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        """Every rank's `send` into the rows of `recv` ([size, *send.shape]), in rank order, on Adasum's
+        own communicator."""
+        self.bytes_sent += send.nbytes * (self.size - 1)
+        self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, "all ranks")
 
     def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
         """group_sum on a numpy float64 vector."""
