@@ -16,6 +16,8 @@ ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in thi
     sent_mb      (MPI) the most any rank sent in one Adasum call: exchanges and block sums
     bound_mb     2 (P - 1) / P times the data, what each rank must send in a bandwidth-optimal
                  all-reduce (reduce-scatter then all-gather)
+    replicas_ms  with --local-replicas L: Adasum over L replicas in every process (the sync of a
+                 MirroredStrategy per process), and replicas_per_adasum, its ratio to adasum_ms
     vhdd_ms, gather_ms, and *_compiled_ms   with --algorithms: the same, each algorithm forced
                  (TF_ADASUM_ALGORITHM)
 
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument(
         "--algorithms", nargs="*", default=[], choices=["vhdd", "gather"], help="also time each one forced"
     )
+    parser.add_argument("--local-replicas", type=int, default=0, help="also time allreduce_replicas")
     parser.add_argument(
         "--no-horovod",
         action="store_true",
@@ -131,6 +134,17 @@ def main() -> None:
             eager, compiled = adasum_times(tensors, args.repeats, barrier)
             del os.environ["TF_ADASUM_ALGORITHM"]
             row |= {f"{forced}_ms": round(eager, 2), f"{forced}_compiled_ms": round(compiled, 2)}
+        if args.local_replicas:
+            local = [[t * (1.0 + r) for t in tensors] for r in range(args.local_replicas)]
+            replicas_ms = median_ms(
+                lambda local=local: [x.numpy() for x in tf_adasum.distributed.allreduce_replicas(local)],
+                args.repeats,
+                before=barrier,
+            )
+            row |= {
+                "replicas_ms": round(replicas_ms, 2),
+                "replicas_per_adasum": round(replicas_ms / adasum_ms, 2),
+            }
         if sent is not None:
             size = 4 * sum(int(np.prod(s)) for s in shapes)
             row |= {

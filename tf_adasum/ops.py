@@ -234,6 +234,12 @@ def _host(path: Path) -> ctypes.CDLL:
     return library
 
 
+@functools.cache
+def _host_library(override: str | None) -> ctypes.CDLL:
+    # Cached per $TF_ADASUM_LIBRARY: resolving the path costs a dozen stat calls, on every host call.
+    return _host(_library_path(override))
+
+
 def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, int, np.ndarray]:
     code = _HOST_DTYPES.get(a.dtype.name)
     if code is None or a.dtype != b.dtype or a.shape != b.shape or a.ndim != 1:
@@ -246,7 +252,7 @@ def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, 
     edges = np.ascontiguousarray(bounds, np.int64)
     if len(edges) < 1 or edges[0] != 0 or edges[-1] != len(a) or np.any(np.diff(edges) < 0):
         raise ValueError(f"bounds must run from 0 to {len(a)} without decreasing, got {edges.tolist()}")
-    library = _host(_library_path())
+    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
     return library, code, edges
 
 
@@ -310,7 +316,7 @@ def host_copy_norms(
             )
     pointers = (ctypes.c_void_p * max(1, len(sources)))(*[x.ctypes.data for x in sources])
     norms = np.empty(len(sources), np.float64)
-    library = _host(_library_path())
+    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
     library.tf_adasum_copy_norms(
         code,
         len(sources),

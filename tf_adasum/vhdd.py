@@ -435,6 +435,29 @@ def _unfuse(
     return out
 
 
+def _allgather(comm: Any, buffer: tf.Tensor) -> tf.Tensor:
+    """comm.allgather of a 1-D buffer; with host buffers (MPI), on Adasum's own communicator and, eagerly,
+    received straight into a fresh TensorFlow tensor."""
+    if not getattr(comm, "host_buffers", False):
+        return comm.allgather(buffer)
+    shape = [comm.size, int(buffer.shape[0])]
+    if tf.executing_eagerly():
+        out = tf.raw_ops.Empty(shape=shape, dtype=buffer.dtype, init=False)
+        view = _compat.writable_view(out)
+        if view is not None:
+            comm.allgather_host(np.asarray(buffer), view, "adasum gather")
+            return out
+
+    def run(x: np.ndarray) -> np.ndarray:
+        rows = np.empty(shape, x.dtype)
+        comm.allgather_host(x, rows, "adasum gather")
+        return rows
+
+    out = tf.numpy_function(run, [buffer], buffer.dtype, stateful=True)
+    out.set_shape(shape)
+    return out
+
+
 def tree_across_processes(
     comm: Communicator, per_replica: Sequence[Sequence[tf.Tensor]], counts: Sequence[int], fp16: bool = False
 ) -> list[tf.Tensor]:
@@ -467,18 +490,21 @@ def tree_across_processes(
     tensors = sent[0]
     width = max(len(r) for r in roots)
     values: dict[Span, list[Any]] = {span: [None] * len(tensors) for spans in roots for span in spans}
+    n = len(tensors)
+    rows = sent + [[tf.zeros_like(t) for t in tensors]] * (width - len(sent))  # the same width everywhere
+    flat = [t for row in rows for t in row]
     for index in indices_by_dtype(tensors):
-        fused = [_fuse(root, index) for root in sent]
-        starts, pads = fused[0][1], fused[0][2]
-        buffers = [buffer for buffer, _, _ in fused]
-        dtype = buffers[0].dtype
-        stacked = tf.stack(buffers + [tf.zeros_like(buffers[0])] * (width - len(buffers)))
-        narrow = fp16 and dtype in (tf.float32, tf.float64)
-        gathered = comm.allgather(tf.cast(stacked, tf.float16) if narrow else stacked)
-        gathered = tf.cast(gathered, dtype) if narrow else gathered
+        # All roots in one buffer, one after another: one copy in, one all-gather, and every root's
+        # tensors come back out as views of what arrived.
+        buffer, starts, pads = _fuse(flat, [k * n + i for k in range(width) for i in index])
+        narrow = fp16 and buffer.dtype in (tf.float32, tf.float64)
+        gathered = _allgather(comm, tf.cast(buffer, tf.float16) if narrow else buffer)
+        gathered = tf.reshape(tf.cast(gathered, buffer.dtype) if narrow else gathered, [-1])
+        pieces = tf.split(gathered, comm.size * width)  # each root's stretch is aligned: views
         shapes = [tensors[i].shape for i in index]
         for q, spans in enumerate(roots):
             for k, span in enumerate(spans):
-                for i, t in zip(index, _unfuse(gathered[q, k], starts, pads, shapes), strict=True):
+                root = _unfuse(pieces[q * width + k], starts[: len(index) + 1], pads[: len(index)], shapes)
+                for i, t in zip(index, root, strict=True):
                     values[span][i] = t
     return evaluate(values, total, pair_on_left_device)[(0, total)]

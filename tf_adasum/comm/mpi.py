@@ -178,7 +178,7 @@ class MPICommunicator(Communicator):
 
     def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
-            x = np.array(x, order="C")
+            x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # only read: no copy
             out = np.empty((self.size, *x.shape), x.dtype)
             self._wait([self._comm.Iallgather(self._bytes(x), self._bytes(out))], "allgather", "all ranks")
             return out
