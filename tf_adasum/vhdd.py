@@ -305,6 +305,27 @@ def _layout(tensors: Sequence[tf.Tensor], index: list[int]) -> tuple[list[int], 
     return sizes, starts, pads
 
 
+def _fill_host(
+    sources: Sequence[Any],
+    buf: np.ndarray,
+    starts: np.ndarray,
+    sizes: list[int],
+    pads: list[int],
+    threads: int,
+) -> np.ndarray:
+    """Copies each source into its place in `buf`, zeroes the pads, and returns the squared norms
+    measured on the way (float64, one per source)."""
+    for start, size, pad in zip(starts[:-1], sizes, pads, strict=True):
+        buf[start + size : start + size + pad] = 0
+    return ops.host_copy_norms([np.ascontiguousarray(x).reshape(-1) for x in sources], buf, starts, threads)
+
+
+def _first_nonfinite(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:
+    """The index of the first tensor whose squared norm is not finite, or -1."""
+    bad = [i for index, n in zip(indices, norms, strict=True) for i in np.asarray(index)[~np.isfinite(n)]]
+    return int(min(bad, default=-1))
+
+
 def _fuse_host(
     tensors: Sequence[tf.Tensor], index: list[int], threads: int
 ) -> tuple[tf.Tensor, list[int], list[int], np.ndarray | None, np.ndarray | None]:
@@ -318,23 +339,53 @@ def _fuse_host(
     view = _compat.writable_view(buffer)
     if view is None:
         return (*_fuse(tensors, index), None, None)
-    for start, size, pad in zip(starts[:-1], sizes, pads, strict=True):
-        view[start + size : start + size + pad] = 0
-    sources = [np.ascontiguousarray(tensors[i]).reshape(-1) for i in index]
-    norms = ops.host_copy_norms(sources, view, starts, threads)
+    norms = _fill_host([tensors[i] for i in index], view, starts, sizes, pads, threads)
     return buffer, starts.tolist(), pads, view, norms
 
 
-def _vhdd_host_graph(comm: Communicator, buffer: tf.Tensor, starts: list[int], by_gather: bool) -> tf.Tensor:
-    """vhdd_host (or gather_host) inside a tf.function: one host call for the whole algorithm."""
+def _in_place(comm: Any, starts: Sequence[int], by_gather: bool) -> Any:
+    """The host algorithm as a numpy_function body: on a writable copy of its input."""
 
     def run(x: np.ndarray) -> np.ndarray:
-        buf = np.array(x)  # a writable copy of TensorFlow's input
+        buf = np.array(x)
         (gather_host if by_gather else vhdd_host)(comm, buf, starts, host_threads(comm))
         return buf
 
-    out = tf.numpy_function(run, [buffer], buffer.dtype, stateful=True)
-    out.set_shape(buffer.shape)
+    return run
+
+
+def _host_graph(
+    comm: Any, tensors: Sequence[tf.Tensor], indices: list[list[int]], names: Sequence[str] | None
+) -> list[tf.Tensor]:
+    """vhdd_allreduce inside a tf.function under MPI: one host call for all of it. It fuses the inputs
+    (measuring their norms on the way), agrees with the other ranks, and runs the algorithm for every
+    dtype, with no TensorFlow op copying the data in between."""
+    layouts = [_layout(tensors, index) for index in indices]
+    threads = host_threads(comm)
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        buffers, norms, first = [], [], 0
+        for index, (sizes, starts, pads) in zip(indices, layouts, strict=True):
+            sources = arrays[first : first + len(index)]
+            first += len(index)
+            buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
+            norms.append(_fill_host(sources, buffers[-1], starts, sizes, pads, threads))
+        codes = np.array([agreement.SYNC, _first_nonfinite(indices, norms), 0], np.int64)
+        agreement.check_table(comm.agree_host(codes, "adasum sync"), len(tensors), names)
+        for buf, (_, starts, _) in zip(buffers, layouts, strict=True):
+            by_gather = algorithm(comm, buf.nbytes) == "gather"
+            (gather_host if by_gather else vhdd_host)(comm, buf, starts.tolist(), threads)
+        return buffers
+
+    inputs = [tensors[i] for index in indices for i in index]
+    dtypes = [tensors[index[0]].dtype for index in indices]
+    combined = tf.numpy_function(run, inputs, dtypes, stateful=True)
+    out: list[Any] = [None] * len(tensors)
+    for index, buffer, (_, starts, pads) in zip(indices, combined, layouts, strict=True):
+        buffer.set_shape([int(starts[-1])])
+        shapes = [tensors[i].shape for i in index]
+        for i, tensor in zip(index, _unfuse(buffer, starts.tolist(), pads, shapes), strict=True):
+            out[i] = tensor
     return out
 
 
@@ -368,6 +419,8 @@ def vhdd_allreduce(
     host = getattr(comm, "host_buffers", False)
     threads = host_threads(comm)
     indices = indices_by_dtype(tensors)
+    if host and not tf.executing_eagerly():
+        return _host_graph(comm, tensors, indices, names)
     groups = [
         _fuse_host(tensors, index, threads)
         if host and tf.executing_eagerly()
@@ -378,12 +431,7 @@ def vhdd_allreduce(
     measured = [norms for *_, norms in groups if norms is not None]
     code: tf.Tensor | int
     if len(measured) == len(groups):  # the copies measured the norms: no second pass over the data
-        bad = [
-            i
-            for index, norms in zip(indices, measured, strict=True)
-            for i in np.asarray(index)[~np.isfinite(norms)]
-        ]
-        code = int(min(bad, default=-1))
+        code = _first_nonfinite(indices, measured)
     else:
         code = agreement.first_nonfinite(
             [(index, buffer, starts) for index, (buffer, starts, *_) in zip(indices, groups, strict=True)]
@@ -399,8 +447,10 @@ def vhdd_allreduce(
         if view is not None:  # eagerly, on the host: in place in the fused tensor's memory
             (gather_host if by_gather else vhdd_host)(comm, view, starts, threads)
             combined = buffer
-        elif host:
-            combined = _vhdd_host_graph(comm, buffer, starts, by_gather)
+        elif host:  # eagerly, where TensorFlow gives no writable view
+            combined = tf.numpy_function(
+                _in_place(comm, starts, by_gather), [buffer], buffer.dtype, stateful=True
+            )
         else:
             combined = (gather_fused if by_gather else vhdd_fused)(comm, buffer, starts)
         for i, tensor in zip(

@@ -120,7 +120,7 @@ class MPICommunicator(Communicator):
         ]
         self._wait(requests, what, f"rank {peer}")
 
-    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these three.
+    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these.
     host_buffers = True
 
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
@@ -194,22 +194,23 @@ class MPICommunicator(Communicator):
 
         return self._host(run, [tensor], tensor.dtype, tensor.shape)
 
+    def agree_host(self, codes: np.ndarray, what: str) -> np.ndarray:
+        """agree on a numpy int64 vector, from host code (a compiled step's one host call)."""
+        # Point to point rather than one Iallgather, so that a timeout names the ranks missing.
+        out = np.empty((self.size, *codes.shape), np.int64)
+        out[self.rank] = codes
+        others = [r for r in range(self.size) if r != self.rank]
+        receives = {r: self._control.Irecv(out[r], source=r, tag=13) for r in others}
+        sends = [self._control.Isend(out[self.rank], dest=r, tag=13) for r in others]
+
+        def missing() -> str:
+            return f"rank(s) {[r for r, request in receives.items() if not request.Test()]}"
+
+        self._poll(lambda: self._mpi.Request.Testall([*receives.values(), *sends]), what, missing)
+        return out
+
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
-        def run(x: np.ndarray) -> np.ndarray:
-            # Point to point rather than one Iallgather, so that a timeout names the ranks missing.
-            out = np.empty((self.size, *x.shape), np.int64)
-            out[self.rank] = x
-            others = [r for r in range(self.size) if r != self.rank]
-            receives = {r: self._control.Irecv(out[r], source=r, tag=13) for r in others}
-            sends = [self._control.Isend(out[self.rank], dest=r, tag=13) for r in others]
-
-            def missing() -> str:
-                return f"rank(s) {[r for r, request in receives.items() if not request.Test()]}"
-
-            self._poll(lambda: self._mpi.Request.Testall([*receives.values(), *sends]), what, missing)
-            return out
-
-        return self._host(run, [codes], tf.int64, [self.size, *codes.shape])
+        return self._host(lambda x: self.agree_host(x, what), [codes], tf.int64, [self.size, *codes.shape])
 
     def _wait_objects(self, requests: dict[int, Any], what: str) -> dict[int, Any]:
         """Polls pickled-object receives until all arrive; a timeout names the ranks still missing."""
