@@ -19,8 +19,12 @@ computed by exactly one rank and then copied, so every rank ends with bitwise id
 Under MPI (a communicator with host buffers) the whole algorithm runs on one numpy buffer per dtype
 (vhdd_host): eagerly that buffer is the memory of a fresh TensorFlow tensor, filled once from the
 inputs, combined in place by the same core through C entry points, and the gather receives straight
-into it; inside tf.function it is one host call. vhdd_fused, on TensorFlow tensors, serves the
-TensorFlow engine, whose exchanges are ops in the graph.
+into it; inside tf.function the whole sync (fusing, agreement, algorithm) is one host call. vhdd_fused,
+on TensorFlow tensors, serves the TensorFlow engine, whose exchanges are ops in the graph; there small
+buffers go by one all-gather instead (gather_fused; see algorithm()).
+
+With several replicas in each process, tree_across_processes computes the same tree over every replica
+of every process (distributed.allreduce_replicas chooses it).
 
 Every tensor starts, and every halving point falls, on a 64-byte boundary of the fused buffer. A slice
 of a TensorFlow tensor that starts on such a boundary shares its memory, so cutting halves off and
