@@ -71,6 +71,7 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
                 np.testing.assert_array_equal(results[r][f"{case}_function_{i}"], got)
 
     for r in range(p):
+        np.testing.assert_array_equal(results[r]["empty"], [0, 0])
         assert f"rank {p - 1}: tensor 5 of 7 holds NaN" in infos[r]["replica_nonfinite"], infos[r]
         np.testing.assert_array_equal(results[r]["sum"], [sum(range(p)), p])
         np.testing.assert_allclose(results[r]["average"], [(p - 1) / 2])

@@ -384,6 +384,8 @@ def _host_graph(
     inputs = [tensors[i] for index in indices for i in index]
     dtypes = [tensors[index[0]].dtype for index in indices]
     combined = tf.numpy_function(run, inputs, dtypes, stateful=True)
+    if not dtypes:  # nothing to combine, but the agreement still runs: tf.function runs stateful ops
+        return []
     out: list[Any] = [None] * len(tensors)
     for index, buffer, (_, starts, pads) in zip(indices, combined, layouts, strict=True):
         buffer.set_shape([int(starts[-1])])
