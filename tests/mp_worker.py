@@ -105,6 +105,22 @@ def checks(out: Path) -> None:
         nonfinite = "no error"
     except tf_adasum.NonFiniteUpdateError as error:
         nonfinite = str(error)
+    # Rank 0's own replicas disagree: every process raises rank 0's error, none waits.
+    local = [[tf.constant(x) for x in r] for r in replica_tensors("uneven", comm.size, rank)]
+    if rank == 0:
+        local.append([tf.zeros([1]) for _ in local[0]])
+    try:
+        tf_adasum.distributed.allreduce_replicas(local)
+        replica_mismatch = "no error"
+    except ValueError as error:
+        replica_mismatch = str(error)
+    # compression="fp16" with subtree results beyond float16's range: every process raises.
+    local = [[tf.fill([3], 1e5)] for _ in replica_tensors("uneven", comm.size, rank)]
+    try:
+        tf_adasum.distributed.allreduce_replicas(local, compression="fp16")
+        narrowed = "no error"
+    except tf_adasum.NonFiniteUpdateError as error:
+        narrowed = str(error)
     # NaN in the last replica of the last process: every process raises, none waits in the tree.
     local = [[tf.constant(x) for x in r] for r in replica_tensors("uneven", comm.size, rank)]
     if rank == comm.size - 1:
@@ -116,6 +132,8 @@ def checks(out: Path) -> None:
         replica_nonfinite = str(error)
     info = {
         "replica_nonfinite": replica_nonfinite,
+        "replica_mismatch": replica_mismatch,
+        "narrowed": narrowed,
         "engine": comm.engine,
         "size": comm.size,
         "local_rank": comm.local_rank,
@@ -188,7 +206,7 @@ def replicas_fit(out: Path) -> None:
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
     )
     local, steps, replicas = 2, 4, 3 * comm.size
-    # Global replica 3q + j takes rows [4 * (3q + j), ...) of each global batch, as simulate() cuts it.
+    # Global replica 3q + j takes rows [2 * (3q + j), ...) of each global batch, as simulate() cuts it.
     batch = 3 * local
     mine = np.concatenate([s * local * replicas + comm.rank * batch + np.arange(batch) for s in range(steps)])
     for kind, sync_every in (("sgd_momentum", 1), ("adam", 2)):

@@ -179,6 +179,21 @@ def test_the_agreement_table_names_the_rank_and_the_tensor() -> None:
         agreement.check_table(np.array([[scale, 0], [end, 3]]))
 
 
+def test_the_agreement_compares_the_fingerprints_of_the_tensors() -> None:
+    sync, end = agreement.SYNC, agreement.EPOCH_END
+    a = agreement.fingerprint([tf.zeros([4, 5]), tf.zeros([2], tf.float16)])
+    assert a == agreement.fingerprint([tf.ones([4, 5]), tf.ones([2], tf.float16)])  # values do not count
+    b = agreement.fingerprint([tf.zeros([4, 6]), tf.zeros([2], tf.float16)])
+    c = agreement.fingerprint([tf.zeros([4, 5]), tf.zeros([2], tf.float32)])
+    assert len({a, b, c}) == 3 and all(0 <= f < 2**63 for f in (a, b, c))
+    agreement.check_table(np.array([[sync, -1, a], [sync, -1, a]]))
+    with pytest.raises(agreement.MetadataDiffers, match="rank 1"):
+        agreement.check_table(np.array([[sync, -1, a], [sync, -1, b]]))
+    # A rank at its epoch end meets a sync: that is the error, whatever the fingerprints.
+    with pytest.raises(tf_adasum.UnevenDataError):
+        agreement.check_table(np.array([[sync, -1, a], [end, 3, 0]]))
+
+
 def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:
     def raise_in_graph(_: np.ndarray) -> np.ndarray:
         raise tf_adasum.NonFiniteUpdateError("the update of rank(s) [1] is not finite")

@@ -23,6 +23,8 @@ behaviour = sys.argv[2]
 if behaviour in ("fail", "report") and index == 1:
     sys.exit(3)
 if behaviour == "report":  # notices the failure a moment later, reports it, and ends on its own
+    while not os.path.exists(os.path.join(sys.argv[1], "pid1")):  # rank 1 has started (and fails)
+        time.sleep(0.05)
     time.sleep(1)
     open(os.path.join(sys.argv[1], "reported"), "w").write("lost rank 1")
     sys.exit(4)

@@ -254,14 +254,26 @@ def allreduce_replicas(
     local = [[tf.convert_to_tensor(t) for t in r] for r in per_replica]
     if comm.size == 1:
         return adasum_tree(local)
-    check_replicas_match(local)
-    ops.check_float_tensors("allreduce_replicas", local[0], one_dtype=False)
-    # One metadata round for both: every process's replica count, and its tensors.
-    everyone = comm.allgather_object((len(local), tensor_specs(local[0])), "Adasum metadata check")
-    mismatch = first_mismatch([specs for _, specs in everyone], "rank", names)
+    # One metadata round for all of it: every process's replica count, its tensors, and what is wrong
+    # with its own replicas, so that every process raises the same error, not only the one at fault.
+    problem = None
+    try:
+        if not local:
+            raise ValueError("this process has no replicas")
+        check_replicas_match(local)
+        ops.check_float_tensors("allreduce_replicas", local[0], one_dtype=False)
+    except (ValueError, TypeError) as error:
+        problem = (type(error).__name__, str(error))
+    specs = tensor_specs(local[0]) if local else []
+    everyone = comm.allgather_object((len(local), specs, problem), "Adasum metadata check")
+    for rank, (_, _, found) in enumerate(everyone):
+        if found is not None:
+            kind = TypeError if found[0] == "TypeError" else ValueError
+            raise kind(f"allreduce_replicas: rank {rank}: {found[1]}")
+    mismatch = first_mismatch([specs for _, specs, _ in everyone], "rank", names)
     if mismatch is not None:
         raise ValueError(f"allreduce(op=Adasum): {mismatch}")
-    counts = [count for count, _ in everyone]
+    counts = [count for count, _, _ in everyone]
     if max(counts) > 1:
         # A NaN would stop one process inside its own part of the tree and leave the others waiting:
         # every process checks all of its replicas first, and all raise the same error.

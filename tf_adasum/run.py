@@ -5,9 +5,9 @@ Usage:
 
 Every process gets a TF_CONFIG naming N workers on free ports of 127.0.0.1 and its own index. Output
 lines are prefixed with "[rank]". The exit code is the first failure's (0 if all succeed). When one
-process fails, the others have GRACE_SECONDS to end on their own (tf_adasum raises PeerError in them,
-naming the lost rank, and a script can report it), then are killed; on Ctrl-C or the timeout all are
-killed at once.
+process fails, the others have GRACE_SECONDS to end on their own (a dead peer's closed connections
+usually make tf_adasum raise PeerError in them at once, naming it, and a script can report it), then
+are killed; on Ctrl-C or the timeout all are killed at once.
 """
 
 from __future__ import annotations
@@ -73,10 +73,14 @@ def launch(np: int, command: list[str], timeout: float | None = None) -> int:
             if failed and first_failure is None:
                 first_failure = (failed[0], time.monotonic())
             if first_failure is not None:
-                if all(c is not None for c in codes) or time.monotonic() > first_failure[1] + GRACE_SECONDS:
+                ended = all(c is not None for c in codes)
+                late = time.monotonic() > first_failure[1] + GRACE_SECONDS
+                if ended or late or (deadline is not None and time.monotonic() > deadline):
                     kill_all()
                     return first_failure[0]
-            elif all(c == 0 for c in codes):
+                time.sleep(0.05)
+                continue
+            if all(c == 0 for c in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 kill_all()

@@ -43,7 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, agreement, ops
-from tf_adasum.comm.base import Communicator
+from tf_adasum.comm.base import Communicator, NonFiniteUpdateError
 from tf_adasum.tree import Span, evaluate, fold_size, indices_by_dtype, pair_on_left_device, roots_within
 
 
@@ -359,7 +359,11 @@ def _in_place(comm: Any, starts: Sequence[int], by_gather: bool) -> Any:
 
 
 def _host_graph(
-    comm: Any, tensors: Sequence[tf.Tensor], indices: list[list[int]], names: Sequence[str] | None
+    comm: Any,
+    tensors: Sequence[tf.Tensor],
+    indices: list[list[int]],
+    names: Sequence[str] | None,
+    metadata: int,
 ) -> list[tf.Tensor]:
     """vhdd_allreduce inside a tf.function under MPI: one host call for all of it. It fuses the inputs
     (measuring their norms on the way), agrees with the other ranks, and runs the algorithm for every
@@ -374,7 +378,7 @@ def _host_graph(
             first += len(index)
             buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
             norms.append(_fill_host(sources, buffers[-1], starts, sizes, pads, threads))
-        codes = np.array([agreement.SYNC, _first_nonfinite(indices, norms), 0], np.int64)
+        codes = np.array([agreement.SYNC, _first_nonfinite(indices, norms), metadata], np.int64)
         agreement.check_table(comm.agree_host(codes, "adasum sync"), len(tensors), names)
         for buf, (_, starts, _) in zip(buffers, layouts, strict=True):
             by_gather = algorithm(comm, buf.nbytes) == "gather"
@@ -426,7 +430,7 @@ def vhdd_allreduce(
     threads = host_threads(comm)
     indices = indices_by_dtype(tensors)
     if host and not tf.executing_eagerly():
-        return _host_graph(comm, tensors, indices, names)
+        return _host_graph(comm, tensors, indices, names, metadata)
     groups = [
         _fuse_host(tensors, index, threads)
         if host and tf.executing_eagerly()
@@ -514,6 +518,22 @@ def _allgather(comm: Any, buffer: tf.Tensor) -> tf.Tensor:
     return out
 
 
+def _finite(x: tf.Tensor, what: str) -> tf.Tensor:
+    """x, after raising NonFiniteUpdateError if it holds NaN or Inf (eagerly, or as a graph check)."""
+
+    def check(values: np.ndarray) -> np.ndarray:
+        if not np.all(np.isfinite(values.astype(np.float32))):
+            raise NonFiniteUpdateError(f"{what}; every rank stops at this step")
+        return values
+
+    if tf.executing_eagerly():
+        check(np.asarray(x))
+        return x
+    checked = tf.numpy_function(check, [x], x.dtype, stateful=True)
+    checked.set_shape(x.shape)
+    return checked
+
+
 def tree_across_processes(
     comm: Communicator, per_replica: Sequence[Sequence[tf.Tensor]], counts: Sequence[int], fp16: bool = False
 ) -> list[tf.Tensor]:
@@ -523,10 +543,11 @@ def tree_across_processes(
     sum(counts) replicas. Each process combines the nodes it can alone (tree.roots_within: where the
     tree splits inside a process, it holds two or more such roots), every process gathers every
     process's roots, and every process combines the rest of the tree from the gathered copies, with the
-    same ops in the same order: the same bits on every process, and the same bits as adasum_tree over
-    all the replicas in one process. Each process receives every other's roots whole, so this moves
-    more than VHDD; distributed.allreduce_replicas takes VHDD when every process holds the same
-    power-of-two number of replicas, where the tree splits only between processes.
+    same ops in the same order: the same bits on every process, and (without compression) the same
+    bits as adasum_tree over all the replicas in one process. Each process receives every other's
+    roots whole, so this moves more than VHDD; distributed.allreduce_replicas takes VHDD when every
+    process holds the same power-of-two number of replicas, where the tree splits only between
+    processes.
 
     Args:
         comm: the communicator.
@@ -555,6 +576,8 @@ def tree_across_processes(
         buffer, starts, pads = _fuse(flat, [k * n + i for k in range(width) for i in index])
         narrow = fp16 and buffer.dtype in (tf.float32, tf.float64)
         gathered = _allgather(comm, tf.cast(buffer, tf.float16) if narrow else buffer)
+        if narrow:  # a subtree result beyond float16's range; every process sees the same data
+            gathered = _finite(gathered, "compression='fp16': a subtree result overflows float16")
         gathered = tf.reshape(tf.cast(gathered, buffer.dtype) if narrow else gathered, [-1])
         pieces = tf.split(gathered, comm.size * width)  # each root's stretch is aligned: views
         shapes = [tensors[i].shape for i in index]
