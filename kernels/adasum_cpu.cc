@@ -1,5 +1,6 @@
 // CPU core of the Adasum ops. No TensorFlow header: the adapter passes raw pointers and a
 // ParallelFor backed by TensorFlow's CPU thread pool.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -290,22 +291,31 @@ void RunBlocks(int64_t total_elements, int64_t n_blocks, int64_t cycles_per_elem
 
 }  // namespace
 
-template <typename T>
-void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
-                 const ParallelFor& parallel_for) {
+// Runs span(block, partial) over every block of the tensors, in parallel, where `partial` receives the
+// block's three sums; returns them summed per tensor ([n, 3]), in block order, so the result does not
+// depend on the threads.
+template <typename Span>
+std::vector<double> SumOverBlocks(int n, const int64_t* sizes, const ParallelFor& parallel_for, Span span) {
   int64_t total = 0;
   const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
   std::vector<double> partial(3 * blocks.size());
   RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const Block& blk = blocks[k];
-      DotNormsSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, &partial[3 * k]);
-    }
+    for (int64_t k = first; k < last; ++k) span(blocks[k], &partial[3 * k]);
   });
-  for (int t = 0; t < 3 * n; ++t) dot_norms[t] = 0.0;
+  std::vector<double> sums(3 * n, 0.0);
   for (size_t k = 0; k < blocks.size(); ++k) {
-    for (int q = 0; q < 3; ++q) dot_norms[3 * blocks[k].tensor + q] += partial[3 * k + q];
+    for (int q = 0; q < 3; ++q) sums[3 * blocks[k].tensor + q] += partial[3 * k + q];
   }
+  return sums;
+}
+
+template <typename T>
+void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
+                 const ParallelFor& parallel_for) {
+  const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
+    DotNormsSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, out);
+  });
+  std::copy(sums.begin(), sums.end(), dot_norms);
 }
 
 template <typename T>
@@ -330,20 +340,13 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
 template <typename T>
 void CopyNormsCpu(int n, const T* const* src, const int64_t* sizes, T* const* dst, double* norms,
                   const ParallelFor& parallel_for) {
-  int64_t total = 0;
-  const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
-  std::vector<double> partial(3 * blocks.size());
-  RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const Block& blk = blocks[k];
-      T* out = dst[blk.tensor] + blk.begin;
-      std::memcpy(out, src[blk.tensor] + blk.begin, (blk.end - blk.begin) * sizeof(T));
-      // The block was just written, so it is read back from cache: one pass over memory.
-      DotNormsSpan<T>(out, out, blk.end - blk.begin, &partial[3 * k]);
-    }
+  const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
+    T* copy = dst[blk.tensor] + blk.begin;
+    std::memcpy(copy, src[blk.tensor] + blk.begin, (blk.end - blk.begin) * sizeof(T));
+    // The block was just written, so it is read back from cache: one pass over memory.
+    DotNormsSpan<T>(copy, copy, blk.end - blk.begin, out);
   });
-  for (int t = 0; t < n; ++t) norms[t] = 0.0;
-  for (size_t k = 0; k < blocks.size(); ++k) norms[blocks[k].tensor] += partial[3 * k + 1];
+  for (int t = 0; t < n; ++t) norms[t] = sums[3 * t + 1];
 }
 
 #define ADASUM_INSTANTIATE(T)                                                                            \

@@ -133,6 +133,13 @@ def agree(
     return checked
 
 
+def first_nonfinite_norm(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:
+    """The first tensor index whose squared norm is not finite, or -1; norms[g][j] is tensor
+    indices[g][j]'s."""
+    bad = [i for index, n in zip(indices, norms, strict=True) for i in np.asarray(index)[~np.isfinite(n)]]
+    return int(min(bad, default=-1))
+
+
 def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[int]]]) -> tf.Tensor | int:
     """The index of the first tensor whose squared norm is not finite, or -1.
 
@@ -144,11 +151,7 @@ def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[in
     """
     norms = [ops.adasum_segment_dot_norms(b, b, tf.constant(starts, tf.int64)) for _, b, starts in groups]
     if tf.executing_eagerly():  # one kernel per dtype, then numpy: no per-op dispatch on the hot path
-        bad: list[int] = []
-        for (index, _, _), n in zip(groups, norms, strict=True):
-            finite = np.isfinite(n.numpy()[:, 1])
-            bad += [i for i, ok in zip(index, finite, strict=True) if not ok]
-        return min(bad, default=-1)
+        return first_nonfinite_norm([index for index, _, _ in groups], [n.numpy()[:, 1] for n in norms])
     index = tf.constant([i for group, _, _ in groups for i in group], tf.int64)
     finite = tf.math.is_finite(tf.concat([n[:, 1] for n in norms], 0))
     first = tf.reduce_min(tf.where(finite, tf.constant(np.iinfo(np.int64).max, tf.int64), index))

@@ -324,12 +324,6 @@ def _fill_host(
     return ops.host_copy_norms([np.ascontiguousarray(x).reshape(-1) for x in sources], buf, starts, threads)
 
 
-def _first_nonfinite(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:
-    """The index of the first tensor whose squared norm is not finite, or -1."""
-    bad = [i for index, n in zip(indices, norms, strict=True) for i in np.asarray(index)[~np.isfinite(n)]]
-    return int(min(bad, default=-1))
-
-
 def _fuse_host(
     tensors: Sequence[tf.Tensor], index: list[int], threads: int
 ) -> tuple[tf.Tensor, list[int], list[int], np.ndarray | None, np.ndarray | None]:
@@ -378,7 +372,7 @@ def _host_graph(
             first += len(index)
             buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
             norms.append(_fill_host(sources, buffers[-1], starts, sizes, pads, threads))
-        codes = np.array([agreement.SYNC, _first_nonfinite(indices, norms), metadata], np.int64)
+        codes = np.array([agreement.SYNC, agreement.first_nonfinite_norm(indices, norms), metadata], np.int64)
         agreement.check_table(comm.agree_host(codes, "adasum sync"), len(tensors), names)
         for buf, (_, starts, _) in zip(buffers, layouts, strict=True):
             by_gather = algorithm(comm, buf.nbytes) == "gather"
@@ -441,7 +435,7 @@ def vhdd_allreduce(
     measured = [norms for *_, norms in groups if norms is not None]
     code: tf.Tensor | int
     if len(measured) == len(groups):  # the copies measured the norms: no second pass over the data
-        code = _first_nonfinite(indices, measured)
+        code = agreement.first_nonfinite_norm(indices, measured)
     else:
         code = agreement.first_nonfinite(
             [(index, buffer, starts) for index, (buffer, starts, *_) in zip(indices, groups, strict=True)]
