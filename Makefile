@@ -47,7 +47,7 @@ bench: build
 # The CUDA kernels alone, with plain nvcc and no TensorFlow: for tests/gpu/test_cuda.py on a GPU host.
 cuda: build/libadasum_cuda.so
 
-build/libadasum_cuda.so: kernels/adasum_cuda.cu kernels/adasum_cuda.h kernels/adasum_core.h
+build/libadasum_cuda.so: kernels/adasum_cuda.cu kernels/adasum_cuda.h kernels/adasum_core.h kernels/adasum_dtypes.h
 	mkdir -p build
 	$(NVCC) -O3 -std=c++17 -Xcompiler -fPIC -shared $(CUDA_ARCHS) $< -o $@ > build/cuda_build.log 2>&1 \
 		|| (cat build/cuda_build.log; exit 1)

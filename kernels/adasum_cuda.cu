@@ -243,13 +243,13 @@ int adasum_cuda_dot_norms(int dtype, int n, const void* const* a, const void* co
   if (n <= 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case ADASUM_CUDA_FLOAT16:
+    case ADASUM_FLOAT16:
       return adasum::LaunchDotNorms<__half>(n, a, b, sizes, dot_norms, workspace, s);
-    case ADASUM_CUDA_BFLOAT16:
+    case ADASUM_BFLOAT16:
       return adasum::LaunchDotNorms<__nv_bfloat16>(n, a, b, sizes, dot_norms, workspace, s);
-    case ADASUM_CUDA_FLOAT32:
+    case ADASUM_FLOAT32:
       return adasum::LaunchDotNorms<float>(n, a, b, sizes, dot_norms, workspace, s);
-    case ADASUM_CUDA_FLOAT64:
+    case ADASUM_FLOAT64:
       return adasum::LaunchDotNorms<double>(n, a, b, sizes, dot_norms, workspace, s);
   }
   return cudaErrorInvalidValue;
@@ -260,13 +260,13 @@ int adasum_cuda_combine(int dtype, int n, const void* const* a, const void* cons
   if (n <= 0) return cudaSuccess;
   auto s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case ADASUM_CUDA_FLOAT16:
+    case ADASUM_FLOAT16:
       return adasum::LaunchCombine<__half>(n, a, b, dot_norms, out, sizes, workspace, s);
-    case ADASUM_CUDA_BFLOAT16:
+    case ADASUM_BFLOAT16:
       return adasum::LaunchCombine<__nv_bfloat16>(n, a, b, dot_norms, out, sizes, workspace, s);
-    case ADASUM_CUDA_FLOAT32:
+    case ADASUM_FLOAT32:
       return adasum::LaunchCombine<float>(n, a, b, dot_norms, out, sizes, workspace, s);
-    case ADASUM_CUDA_FLOAT64:
+    case ADASUM_FLOAT64:
       return adasum::LaunchCombine<double>(n, a, b, dot_norms, out, sizes, workspace, s);
   }
   return cudaErrorInvalidValue;

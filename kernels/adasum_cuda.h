@@ -7,22 +7,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "adasum_dtypes.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-enum {
-  ADASUM_CUDA_FLOAT16 = 0,
-  ADASUM_CUDA_BFLOAT16 = 1,
-  ADASUM_CUDA_FLOAT32 = 2,
-  ADASUM_CUDA_FLOAT64 = 3,
-};
 
 // Bytes of device scratch the launchers need for n tensors of these sizes.
 size_t adasum_cuda_workspace_bytes(int n, const int64_t* sizes);
 
 // dot_norms (device, float64 [n, 3]) = per tensor (a_i.b_i, |a_i|^2, |b_i|^2), accumulated in float64.
 // a and b are host arrays of n device pointers; sizes is a host array. Returns a cudaError_t (0: ok).
+// dtype is an ADASUM_* code (adasum_dtypes.h).
 int adasum_cuda_dot_norms(int dtype, int n, const void* const* a, const void* const* b, const int64_t* sizes,
                           double* dot_norms, void* workspace, void* stream);
 

@@ -13,11 +13,9 @@
 #include <vector>
 
 #include "adasum_core.h"
+#include "adasum_dtypes.h"
 
 namespace {
-
-// dtype codes, as tf_adasum/ops.py passes them.
-enum Dtype : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kDouble = 3 };
 
 // Runs fn over [0, units) in `threads` contiguous chunks, on this thread and threads - 1 others.
 adasum::ParallelFor ThreadsFor(int threads) {
@@ -78,10 +76,10 @@ void CopyNorms(int n, const void* const* src, const int64_t* sizes, void* dst, c
 template <typename F>
 int ByDtype(int dtype, F&& f) {
   switch (dtype) {
-    case kHalf: f(static_cast<adasum::Half*>(nullptr)); return 0;
-    case kBFloat16: f(static_cast<adasum::BFloat16*>(nullptr)); return 0;
-    case kFloat: f(static_cast<float*>(nullptr)); return 0;
-    case kDouble: f(static_cast<double*>(nullptr)); return 0;
+    case ADASUM_FLOAT16: f(static_cast<adasum::Half*>(nullptr)); return 0;
+    case ADASUM_BFLOAT16: f(static_cast<adasum::BFloat16*>(nullptr)); return 0;
+    case ADASUM_FLOAT32: f(static_cast<float*>(nullptr)); return 0;
+    case ADASUM_FLOAT64: f(static_cast<double*>(nullptr)); return 0;
     default: return -1;
   }
 }

@@ -343,19 +343,19 @@ template <typename T>
 constexpr int CudaDtype();
 template <>
 constexpr int CudaDtype<Eigen::half>() {
-  return ADASUM_CUDA_FLOAT16;
+  return ADASUM_FLOAT16;
 }
 template <>
 constexpr int CudaDtype<Eigen::bfloat16>() {
-  return ADASUM_CUDA_BFLOAT16;
+  return ADASUM_BFLOAT16;
 }
 template <>
 constexpr int CudaDtype<float>() {
-  return ADASUM_CUDA_FLOAT32;
+  return ADASUM_FLOAT32;
 }
 template <>
 constexpr int CudaDtype<double>() {
-  return ADASUM_CUDA_FLOAT64;
+  return ADASUM_FLOAT64;
 }
 
 // Device scratch for the launchers: the tensor table and per-block partial sums.

@@ -7,11 +7,20 @@ can run on a GPU host without TensorFlow.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 
 Case = tuple[list[np.ndarray], list[np.ndarray]]
 # The smallest normal of each dtype (numpy alone has no bfloat16).
 TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126, "float64": 2.0**-1022}
+
+
+def dtype_codes() -> dict[str, int]:
+    """The kernels' dtype codes, read from kernels/adasum_dtypes.h, the one table of them."""
+    header = (Path(__file__).resolve().parents[1] / "kernels" / "adasum_dtypes.h").read_text()
+    return {name.lower(): int(code) for name, code in re.findall(r"ADASUM_(\w+) = (\d+)", header)}
 
 
 def normal(rng: np.random.Generator, *shape: int) -> np.ndarray:

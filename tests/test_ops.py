@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tests import oracle
-from tests.cases import CASES, Case, case_orthogonal, normal
+from tests.cases import CASES, Case, case_orthogonal, dtype_codes, normal
 from tf_adasum import ops
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -295,6 +295,10 @@ def test_host_copy_norms_copies_and_gives_the_ops_squared_norms(dtype: str, thre
     for x, start in zip(sources, starts, strict=False):
         np.testing.assert_array_equal(dst[start : start + x.size].view(np.uint8), x.view(np.uint8))
         np.testing.assert_array_equal(dst[start + x.size : start + x.size + 3].astype(np.float32), 7)
+
+
+def test_the_host_dtype_codes_are_the_kernels_own() -> None:
+    assert ops._HOST_DTYPES == dtype_codes() == {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 
 def test_host_segment_functions_refuse_bad_input() -> None:

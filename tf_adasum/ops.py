@@ -219,6 +219,7 @@ def adasum_segment_combine(a: tf.Tensor, b: tf.Tensor, dot_norms: Any, bounds: A
 
 # The same core over numpy buffers, through C entry points of the same library (kernels/adasum_host.cc):
 # the MPI engine runs the whole distributed algorithm on host buffers, with no TensorFlow op per step.
+# The codes of kernels/adasum_dtypes.h (tests/test_ops.py checks that they agree).
 _HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 

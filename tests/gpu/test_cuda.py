@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT))
 import pytest  # noqa: E402
 
 from tests import oracle  # noqa: E402
-from tests.cases import CASES, case_orthogonal  # noqa: E402
+from tests.cases import CASES, case_orthogonal, dtype_codes  # noqa: E402
 
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+DTYPE_CODES = dtype_codes()
 
 
 class Device:
