@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_adasum
 import tf_adasum.keras as hvd
 from tests.test_training import build_linear, cpus, make_inner, problem
-from tf_adasum import agreement, distributed
+from tf_adasum import agreement, engine, errors, shared_state, sync
 
 
 def test_adasum_callback_in_one_process_trains_as_the_plain_optimizer(tmp_path: Path) -> None:
@@ -98,7 +98,7 @@ def test_learning_rate_warmup_reaches_initial_lr_and_warns_about_keras_momentum(
 
 def test_metric_average_and_broadcast_are_identities_in_a_world_of_one() -> None:
     logs = {"loss": 0.5, "accuracy": np.float32(0.25), "name": "kept"}
-    assert tf_adasum.callbacks.average_logs(logs) == logs
+    assert shared_state.average_logs(logs) == logs
     variable = tf.Variable([1.0, 2.0])
     hvd.broadcast_variables([variable], root_rank=0)
     np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
@@ -161,22 +161,22 @@ def test_distributed_optimizer_chooses_by_op() -> None:
 
 def test_the_agreement_table_names_the_rank_and_the_tensor() -> None:
     sync, end = agreement.SYNC, agreement.EPOCH_END
-    agreement.check_table(np.array([[sync, -1], [sync, -1]]))
-    agreement.check_table(np.array([[end, 7], [end, 7]]))
+    agreement.raise_unless_agreed(np.array([[sync, -1], [sync, -1]]))
+    agreement.raise_unless_agreed(np.array([[end, 7], [end, 7]]))
     with pytest.raises(tf_adasum.NonFiniteUpdateError, match=r"rank\(s\) \[1\].*tensor 2 of 3 \(d/kernel\)"):
-        agreement.check_table(np.array([[sync, -1], [sync, 2]]), 3, ["a", "b", "d/kernel"])
+        agreement.raise_unless_agreed(np.array([[sync, -1], [sync, 2]]), 3, ["a", "b", "d/kernel"])
     with pytest.raises(tf_adasum.UnevenDataError, match=r"rank\(s\) \[0\] ran out of data \(rank 0 after 5"):
-        agreement.check_table(np.array([[end, 5], [sync, -1]]))
+        agreement.raise_unless_agreed(np.array([[end, 5], [sync, -1]]))
     with pytest.raises(tf_adasum.UnevenDataError, match="rank 0: 5, rank 1: 6"):
-        agreement.check_table(np.array([[end, 5], [end, 6]]))
+        agreement.raise_unless_agreed(np.array([[end, 5], [end, 6]]))
     # Mixed precision's check: one rank's overflow is an answer, not an error; meeting a rank at
     # another check, or at its epoch end, is.
     scale = agreement.LOSS_SCALE
-    agreement.check_table(np.array([[scale, 0], [scale, 1]]))
+    agreement.raise_unless_agreed(np.array([[scale, 0], [scale, 1]]))
     with pytest.raises(RuntimeError, match="rank 0: a model sync, rank 1: a mixed-precision check"):
-        agreement.check_table(np.array([[sync, -1], [scale, 0]]))
+        agreement.raise_unless_agreed(np.array([[sync, -1], [scale, 0]]))
     with pytest.raises(tf_adasum.UnevenDataError, match=r"rank\(s\) \[1\] ran out of data"):
-        agreement.check_table(np.array([[scale, 0], [end, 3]]))
+        agreement.raise_unless_agreed(np.array([[scale, 0], [end, 3]]))
 
 
 def test_the_agreement_compares_the_fingerprints_of_the_tensors() -> None:
@@ -186,12 +186,12 @@ def test_the_agreement_compares_the_fingerprints_of_the_tensors() -> None:
     b = agreement.fingerprint([tf.zeros([4, 6]), tf.zeros([2], tf.float16)])
     c = agreement.fingerprint([tf.zeros([4, 5]), tf.zeros([2], tf.float32)])
     assert len({a, b, c}) == 3 and all(0 <= f < 2**63 for f in (a, b, c))
-    agreement.check_table(np.array([[sync, -1, a], [sync, -1, a]]))
+    agreement.raise_unless_agreed(np.array([[sync, -1, a], [sync, -1, a]]))
     with pytest.raises(agreement.MetadataDiffers, match="rank 1"):
-        agreement.check_table(np.array([[sync, -1, a], [sync, -1, b]]))
+        agreement.raise_unless_agreed(np.array([[sync, -1, a], [sync, -1, b]]))
     # A rank at its epoch end meets a sync: that is the error, whatever the fingerprints.
     with pytest.raises(tf_adasum.UnevenDataError):
-        agreement.check_table(np.array([[sync, -1, a], [end, 3, 0]]))
+        agreement.raise_unless_agreed(np.array([[sync, -1, a], [end, 3, 0]]))
 
 
 def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:
@@ -207,20 +207,20 @@ def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:
     with pytest.raises(
         tf_adasum.NonFiniteUpdateError, match=r"^the update of rank\(s\) \[1\] is not finite$"
     ):
-        distributed.translate_errors(step)(tf.ones(2))
+        errors.translate_errors(step, engine.current)(tf.ones(2))
 
 
 def test_engine_detection_reads_horovodrun_and_the_launchers() -> None:
     gloo = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}
-    assert distributed.detect_engine(gloo) == "tf"
-    assert distributed.launched_for_the_tf_engine(gloo)
-    assert distributed.detect_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo}) == "mpi"  # horovodrun --mpi
-    assert not distributed.launched_for_the_tf_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo})
-    assert not distributed.launched_for_the_tf_engine({"TF_CONFIG": "{}"})  # the user calls init()
-    assert distributed.launched_for_the_tf_engine({"TF_CONFIG": "{}", "TF_ADASUM_LAUNCHER": "1"})
-    assert distributed.detect_engine({"TF_ADASUM_ENGINE": "single", **gloo}) == "single"
+    assert engine.detect_engine(gloo) == "tf"
+    assert engine.launched_for_the_tf_engine(gloo)
+    assert engine.detect_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo}) == "mpi"  # horovodrun --mpi
+    assert not engine.launched_for_the_tf_engine({"OMPI_COMM_WORLD_SIZE": "2", **gloo})
+    assert not engine.launched_for_the_tf_engine({"TF_CONFIG": "{}"})  # the user calls init()
+    assert engine.launched_for_the_tf_engine({"TF_CONFIG": "{}", "TF_ADASUM_LAUNCHER": "1"})
+    assert engine.detect_engine({"TF_ADASUM_ENGINE": "single", **gloo}) == "single"
     with pytest.raises(ValueError, match=r"TF_ADASUM_ENGINE='gloo'; expected one of"):
-        distributed.detect_engine({"TF_ADASUM_ENGINE": "gloo"})
+        engine.detect_engine({"TF_ADASUM_ENGINE": "gloo"})
 
 
 def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,16 +228,14 @@ def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.Monk
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             raise RuntimeError("interrupted")
 
-    from tf_adasum import optimizer as optimizer_module
-
     traced_syncs: list[int] = []
-    real_sync = optimizer_module.sync_if_due
+    real_sync = sync.sync_if_due
 
     def counting_sync(*args: Any, **kwargs: Any) -> None:  # runs when the train step is traced
         traced_syncs.append(1)
         real_sync(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer_module, "sync_if_due", counting_sync)
+    monkeypatch.setattr(sync, "sync_if_due", counting_sync)
     x, y, _, _ = problem()
     optimizer = make_inner("sgd_momentum")
     model = build_linear(tf.distribute.get_strategy(), lambda: optimizer)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_hook_is_in_place_with_the_tested_keras_and_tensorflow() -> None:
     assert _compat.untested_versions() == []
-    assert {name: _compat.problem(name) for name in _compat.HOOKS} == dict.fromkeys(_compat.HOOKS)
+    assert {name: _compat.hook_problem(name) for name in _compat.HOOKS} == dict.fromkeys(_compat.HOOKS)
     _compat.require()
 
 
@@ -59,7 +59,7 @@ def test_a_removed_hook_is_named_at_import_and_refused_on_use(
     hook: str, remove: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     remove(monkeypatch)
-    found = _compat.problem(hook)
+    found = _compat.hook_problem(hook)
     assert found is not None
     with pytest.warns(UserWarning, match="tf_adasum: ") as warned:
         _compat.warn_at_import()

@@ -10,7 +10,8 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
-from tf_adasum.tree import evaluate, first_mismatch, indices_by_dtype, roots_within, tensor_specs, tree_pairs
+from tf_adasum.tensor_lists import first_mismatch, indices_by_dtype, tensor_specs
+from tf_adasum.tree import fill_nodes, roots_within, tree_pairs
 
 SHAPES = [(3, 5), (0,), (1031,), (1,), (2, 0, 3)]
 RTOL = {"float32": 1e-5, "float64": 1e-10}
@@ -87,7 +88,7 @@ def test_tree_pairs_are_the_fold_then_the_levels() -> None:
 
 def _nested(p: int) -> object:
     """The whole tree over p leaves, as nested pairs of leaf numbers."""
-    return evaluate({(j, j + 1): j for j in range(p)}, p, lambda a, b: (a, b))[(0, p)]
+    return fill_nodes({(j, j + 1): j for j in range(p)}, p, lambda a, b: (a, b))[(0, p)]
 
 
 def test_the_tree_split_over_processes_is_the_same_tree() -> None:
@@ -100,14 +101,14 @@ def test_the_tree_split_over_processes_is_the_same_tree() -> None:
             edges = [0] + [j for j in range(1, p) if cuts >> (j - 1) & 1] + [p]
             values: dict[tuple[int, int], object] = {}
             for lo, hi in itertools.pairwise(edges):
-                mine = evaluate({(j, j + 1): j for j in range(lo, hi)}, p, lambda a, b: (a, b))
+                mine = fill_nodes({(j, j + 1): j for j in range(lo, hi)}, p, lambda a, b: (a, b))
                 roots = roots_within(p, lo, hi)
                 assert roots[0][0] == lo and roots[-1][1] == hi  # they cover the run, in order
                 assert all(a[1] == b[0] for a, b in itertools.pairwise(roots))
                 for span in roots:  # topmost: each one's parent reaches outside the run
                     assert span == (0, p) or not lo <= parents[span][0] <= parents[span][1] <= hi
                 values |= {span: mine[span] for span in roots}
-            assert evaluate(values, p, lambda a, b: (a, b))[(0, p)] == whole, (p, edges)
+            assert fill_nodes(values, p, lambda a, b: (a, b))[(0, p)] == whole, (p, edges)
 
 
 def test_where_the_tree_splits_inside_a_process() -> None:

@@ -1,5 +1,11 @@
-"""tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3."""
+"""tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3.
 
+This is the public face, and the one place where importing tf_adasum changes Keras: the four
+install_* calls below (each hook is described in _compat.py). AdasumStrategy also turns tf.data
+autotuning off on per-device prefetch datasets when it is created (_compat.quiet_per_device_iterators).
+"""
+
+import functools
 import importlib.metadata
 
 from tf_adasum import _quiet
@@ -9,10 +15,8 @@ from tf_adasum import _quiet
 if _quiet.wanted():
     _quiet.import_tensorflow_quietly()
 
-from tf_adasum import _compat, callbacks, ops
-from tf_adasum._compat import HookError
+from tf_adasum import _compat, callbacks, engine, errors, ops, strategy, sync
 from tf_adasum.callbacks import AdasumCallback
-from tf_adasum.comm.base import NonFiniteUpdateError, PeerError, UnevenDataError
 from tf_adasum.distributed import (
     Adasum,
     Average,
@@ -31,6 +35,7 @@ from tf_adasum.distributed import (
     shutdown,
     size,
 )
+from tf_adasum.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
 from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
 from tf_adasum.strategy import AdasumStrategy
 from tf_adasum.tree import adasum_tree
@@ -65,8 +70,17 @@ __all__ = [
 ]
 __version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproject.toml
 
+# Everything importing tf_adasum changes in Keras, each with tf_adasum's policy passed in.
 _compat.warn_at_import()
-_compat.install_step_hooks()
+# compile() resolves its optimizer through keras.optimizers.get: under an AdasumStrategy, AdasumOptimizer.
+_compat.install_optimizer_get(strategy.wrap_under_adasum_strategy)
+# Keras's train and test functions: tf_adasum's errors translated, and XLA off where a step syncs.
+_compat.install_step_hooks(
+    functools.partial(errors.translate_errors, current_comm=engine.current), sync.without_xla
+)
+# Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
+_compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
+
 # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
 # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
 # `python -m tf_adasum.run` started for the TF engine starts it here.

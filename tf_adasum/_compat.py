@@ -12,6 +12,11 @@ checked when tf_adasum is imported, against the code that uses it, and:
 - whatever needs a missing hook (AdasumStrategy, AdasumOptimizer, AdasumCallback, ...) raises
   HookError when it is created, before any training, instead of degrading.
 
+This module sits at the bottom of tf_adasum: it imports nothing of it but its errors. tf_adasum's own
+policies (how to translate an error, what a syncing optimizer needs, which optimizers sync) come in
+as arguments to the install_* functions, which tf_adasum/__init__.py calls once: that is every change
+`import tf_adasum` makes to Keras.
+
 The hooks:
 
 `optimizers.get`
@@ -58,15 +63,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import distributed
+from tf_adasum.errors import HookError
 
 # [first, last) of the releases tf_adasum is tested with; pyproject.toml carries the same bounds.
 TESTED_TENSORFLOW = ("2.21", "2.22")
 TESTED_KERAS = ("3.15", "3.16")
-
-
-class HookError(RuntimeError):
-    """A private Keras or TensorFlow name tf_adasum relies on is missing or no longer behaves as assumed."""
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -224,7 +225,7 @@ HOOKS = {
 REQUIRED = tuple(name for name in HOOKS if name != "_create_device_dataset")
 
 
-def problem(name: str) -> str | None:
+def hook_problem(name: str) -> str | None:
     """What is wrong with hook `name`, or None when it is there and used as assumed."""
     try:
         return HOOKS[name].check()
@@ -235,7 +236,7 @@ def problem(name: str) -> str | None:
 def require(*names: str) -> None:
     """Raises HookError if any of the named hooks is missing or changed."""
     for name in names or REQUIRED:
-        found = problem(name)
+        found = hook_problem(name)
         if found is not None:
             raise HookError(
                 f"tf_adasum cannot run safely with Keras {keras.__version__} and TensorFlow "
@@ -264,7 +265,7 @@ def warn_at_import() -> None:
             "but results may differ",
             stacklevel=3,
         )
-    broken = {name: problem(name) for name in HOOKS}
+    broken = {name: hook_problem(name) for name in HOOKS}
     for name, found in broken.items():
         if found is not None:
             warnings.warn(
@@ -286,7 +287,7 @@ def install_optimizer_get(resolve: Callable[[Any], Any]) -> None:
     """Makes keras.optimizers.get (public and private) return resolve(the optimizer), once per process."""
     from keras.src import optimizers
 
-    if problem("optimizers.get") is not None or hasattr(optimizers.get, "_tf_adasum_original"):
+    if hook_problem("optimizers.get") is not None or hasattr(optimizers.get, "_tf_adasum_original"):
         return
     original = optimizers.get
 
@@ -343,15 +344,22 @@ def _running_keras_function(kind: str) -> Iterator[None]:
         _running.kind = outer
 
 
-def install_step_hooks() -> None:
+def install_step_hooks(
+    translate_errors: Callable[[Any], Any], before_train_function: Callable[[Any], None]
+) -> None:
     """Wraps the functions Keras's make_train_function / make_test_function build, once per process.
 
-    The wrapped function translates tf_adasum's errors raised inside a compiled step into
-    tf_adasum.PeerError, NonFiniteUpdateError or UnevenDataError, naming the rank (instead of
-    tf.errors.UnknownError), and marks the thread as running a Keras step, so that AdasumStrategy.run
+    Args:
+        translate_errors: wraps a train or test function so that tf_adasum's errors raised inside a
+            compiled step reach the caller as tf_adasum.PeerError, NonFiniteUpdateError or
+            UnevenDataError, naming the rank (instead of tf.errors.UnknownError).
+        before_train_function: called with the model before Keras makes its train function (tf_adasum
+            turns XLA off there for a model whose optimizer syncs).
+
+    The wrapped function also marks the thread as running a Keras step, so that AdasumStrategy.run
     can tell an unrecognised step from a user's own function.
     """
-    if problem("train_step / test_step") is not None:
+    if hook_problem("train_step / test_step") is not None:
         return
     trainer = _trainer()
     for maker, attribute, kind in (
@@ -361,53 +369,40 @@ def install_step_hooks() -> None:
         original = getattr(trainer, maker)
         if hasattr(original, "_tf_adasum_original"):
             continue
-
-        @functools.wraps(original)
-        def make(
-            self: Any,
-            force: bool = False,
-            _original: Any = original,
-            _attribute: str = attribute,
-            _kind: str = kind,
-        ) -> Any:
-            if _kind == "train":
-                _without_xla(self)
-            _original(self, force)
-            function = getattr(self, _attribute, None)
-            if function is not None and not hasattr(function, "_tf_adasum_original"):
-                translated = distributed.translate_errors(function)
-
-                @functools.wraps(function)
-                def run(*args: Any, **kwargs: Any) -> Any:
-                    with _running_keras_function(_kind):
-                        return translated(*args, **kwargs)
-
-                setattr(self, _attribute, _mark(run, function))
-            return getattr(self, _attribute)
-
-        setattr(trainer, maker, _mark(make, original))
-
-
-def _without_xla(model: Any) -> None:
-    """Turns XLA off for a model whose train step syncs with tf_adasum, with a warning.
-
-    Keras compiles the train step with XLA by default on a GPU host without a strategy (AdasumCallback,
-    tf_adasum.keras); XLA has no kernels for tf_adasum's ops, the MPI engine's host calls or its
-    collectives, so the first step would fail to compile.
-    """
-    from tf_adasum.callbacks import syncs_in_apply
-    from tf_adasum.optimizer import WrappedOptimizer
-
-    optimizer = loss_scale_inner(getattr(model, "optimizer", None))
-    if optimizer is None or not getattr(model, "jit_compile", False):
-        return
-    if isinstance(optimizer, WrappedOptimizer) or syncs_in_apply(optimizer):
-        warnings.warn(
-            "tf_adasum: compiling this model's train step without XLA (jit_compile=False): XLA cannot "
-            "compile tf_adasum's ops and collectives",
-            stacklevel=4,
+        setattr(
+            trainer,
+            maker,
+            _mark(_step_maker(original, attribute, kind, translate_errors, before_train_function), original),
         )
-        model.jit_compile = False
+
+
+def _step_maker(
+    original: Any,
+    attribute: str,
+    kind: str,
+    translate_errors: Callable[[Any], Any],
+    before_train_function: Callable[[Any], None],
+) -> Any:
+    """make_train_function or make_test_function, wrapped: see install_step_hooks."""
+
+    @functools.wraps(original)
+    def make(self: Any, force: bool = False) -> Any:
+        if kind == "train":
+            before_train_function(self)
+        original(self, force)
+        function = getattr(self, attribute, None)
+        if function is not None and not hasattr(function, "_tf_adasum_original"):
+            translated = translate_errors(function)
+
+            @functools.wraps(function)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with _running_keras_function(kind):
+                    return translated(*args, **kwargs)
+
+            setattr(self, attribute, _mark(run, function))
+        return getattr(self, attribute)
+
+    return make
 
 
 # --- LossScaleOptimizer.check_finite ---------------------------------------------------------------
@@ -426,7 +421,7 @@ def install_global_loss_scale_finiteness(
     sync the others wait in. For an optimizer where applies_to(inner optimizer) holds, the decision is
     everywhere(this replica's decision): finite only if finite on every replica of every process.
     """
-    if problem("LossScaleOptimizer.check_finite") is not None:
+    if hook_problem("LossScaleOptimizer.check_finite") is not None:
         return
     optimizer = _loss_scale_optimizer()
     original = optimizer.check_finite
@@ -464,7 +459,7 @@ def quiet_per_device_iterators() -> None:
     in Model::OptimizeLoop). A one-element buffer has nothing to tune, so nothing is lost. The source
     dataset keeps its own options.
     """
-    if problem("_create_device_dataset") is not None:
+    if hook_problem("_create_device_dataset") is not None:
         return
     from tensorflow.python.data.ops import multi_device_iterator_ops as module
 

@@ -14,6 +14,10 @@ A rank at a sync and a rank at an epoch end meet in the same collective, so both
 do ranks at two different kinds of check, which would otherwise pair two different steps.
 Every rank builds its error from the same gathered table, so every rank raises the same error at the
 same step, eagerly or from inside a compiled train step.
+
+The shapes and dtypes of what the ranks pass are checked here too: by the fingerprint in the codes,
+and in full (to say which tensor differs how) by gathering every rank's tensor specs
+(check_same_on_all_ranks, check_replicas_everywhere).
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import ops
-from tf_adasum.comm.base import Communicator, NonFiniteUpdateError, UnevenDataError
-from tf_adasum.tree import describe_tensor, squared_norms, tensor_specs
+from tf_adasum.comm.base import Communicator
+from tf_adasum.errors import NonFiniteUpdateError, UnevenDataError
+from tf_adasum.tensor_lists import (
+    check_replicas_match,
+    describe_tensor,
+    first_mismatch,
+    squared_norms,
+    tensor_specs,
+)
 
 SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
 
@@ -34,7 +45,7 @@ _KINDS = {SYNC: "a model sync", EPOCH_END: "an epoch end", LOSS_SCALE: "a mixed-
 
 
 class MetadataDiffers(ValueError):
-    """The ranks' fingerprints of their tensors differ; the caller finds out how (check_same_on_all_ranks)."""
+    """The ranks' fingerprints of their tensors differ; check_same_on_all_ranks then finds out how."""
 
 
 def fingerprint(tensors: Sequence[tf.Tensor]) -> int:
@@ -43,13 +54,24 @@ def fingerprint(tensors: Sequence[tf.Tensor]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-_WHAT_TO_DO = (
+# What to do about uneven data: every message about it ends with this.
+UNEVEN_DATA_ADVICE = (
     "give every rank the same number of batches per epoch (equal shards, drop_remainder=True), or pass "
     "steps_per_epoch to fit"
 )
 
 
-def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None = None) -> None:
+def per_rank(values: Sequence[object]) -> str:
+    """'rank 0: 4, rank 1: 3', for messages that show what every rank said."""
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def codes_row(kind: int, value: int, metadata: int = 0) -> np.ndarray:
+    """One rank's (kind, value, metadata), as agree() and a host call's agree_host send it."""
+    return np.array([kind, value, metadata], np.int64)
+
+
+def raise_unless_agreed(table: np.ndarray, count: int = 0, names: Sequence[str] | None = None) -> None:
     """Raises the error that a gathered [size, 3] table of codes calls for; the same on every rank.
 
     Args:
@@ -69,22 +91,22 @@ def check_table(table: np.ndarray, count: int = 0, names: Sequence[str] | None =
         batches = ", ".join(f"rank {r} after {int(values[r])}" for r in ended)
         raise UnevenDataError(
             f"rank(s) {ended} ran out of data ({batches} batches of this epoch) while rank(s) {syncing} "
-            f"still had batches and are waiting to sync: {_WHAT_TO_DO}"
+            f"still had batches and are waiting to sync: {UNEVEN_DATA_ADVICE}"
         )
     if ended:
         if len(set(values.tolist())) > 1:
-            batches = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(values))
             raise UnevenDataError(
-                f"the ranks ran different numbers of batches this epoch ({batches}): {_WHAT_TO_DO}"
+                f"the ranks ran different numbers of batches this epoch ({per_rank(values.tolist())}): "
+                f"{UNEVEN_DATA_ADVICE}"
             )
         return
     if len(set(kinds.tolist())) > 1:
-        at = ", ".join(f"rank {r}: {_KINDS.get(int(k), k)}" for r, k in enumerate(kinds))
+        at = per_rank([_KINDS.get(int(k), k) for k in kinds])
         raise RuntimeError(f"the ranks are at different checks ({at}): their steps no longer match")
     if kinds[0] == LOSS_SCALE:
         return
     if table.shape[1] > 2 and len(set(table[:, 2].tolist())) > 1:
-        prints = ", ".join(f"rank {r}: {int(m):#x}" for r, m in enumerate(table[:, 2]))
+        prints = per_rank([f"{int(m):#x}" for m in table[:, 2]])
         raise MetadataDiffers(f"the ranks' tensors differ in count, shape or dtype (fingerprints {prints})")
     bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
     if bad:
@@ -114,18 +136,18 @@ def agree(
         A tensor to make later work depend on (inside a tf.function the check runs as an op).
     """
     if isinstance(value, int):
-        codes = tf.constant([kind, value, metadata], tf.int64)
+        codes = tf.constant(codes_row(kind, value, metadata))
     else:
         codes = tf.stack(
             [tf.constant(kind, tf.int64), tf.cast(value, tf.int64), tf.constant(metadata, tf.int64)]
         )
     table = comm.agree(codes, what)
     if tf.executing_eagerly():
-        check_table(table.numpy(), count, names)
+        raise_unless_agreed(table.numpy(), count, names)
         return table
 
     def check(gathered: np.ndarray) -> np.ndarray:
-        check_table(gathered, count, names)
+        raise_unless_agreed(gathered, count, names)
         return gathered
 
     checked = tf.numpy_function(check, [table], tf.int64, stateful=True)
@@ -133,14 +155,16 @@ def agree(
     return checked
 
 
-def first_nonfinite_norm(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:
+def first_nonfinite_of_norms(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:
     """The first tensor index whose squared norm is not finite, or -1; norms[g][j] is tensor
     indices[g][j]'s."""
     bad = [i for index, n in zip(indices, norms, strict=True) for i in np.asarray(index)[~np.isfinite(n)]]
     return int(min(bad, default=-1))
 
 
-def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[int]]]) -> tf.Tensor | int:
+def first_nonfinite_in_buffers(
+    groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[int]]],
+) -> tf.Tensor | int:
     """The index of the first tensor whose squared norm is not finite, or -1.
 
     Args:
@@ -151,16 +175,17 @@ def first_nonfinite(groups: Sequence[tuple[Sequence[int], tf.Tensor, Sequence[in
     """
     norms = [ops.adasum_segment_dot_norms(b, b, tf.constant(starts, tf.int64)) for _, b, starts in groups]
     if tf.executing_eagerly():  # one kernel per dtype, then numpy: no per-op dispatch on the hot path
-        return first_nonfinite_norm([index for index, _, _ in groups], [n.numpy()[:, 1] for n in norms])
+        return first_nonfinite_of_norms([index for index, _, _ in groups], [n.numpy()[:, 1] for n in norms])
     index = tf.constant([i for group, _, _ in groups for i in group], tf.int64)
     finite = tf.math.is_finite(tf.concat([n[:, 1] for n in norms], 0))
     first = tf.reduce_min(tf.where(finite, tf.constant(np.iinfo(np.int64).max, tf.int64), index))
     return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)
 
 
-def first_nonfinite_of(per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor | int:
-    """first_nonfinite over several lists of the same tensors (a process's replicas): the index of the
-    first tensor that is not finite in any of them, or -1. One norm kernel per replica and dtype."""
+def first_nonfinite_in_replicas(per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor | int:
+    """first_nonfinite_in_buffers over several lists of the same tensors (a process's replicas): the
+    index of the first tensor that is not finite in any of them, or -1. One norm kernel per replica and
+    dtype."""
     if not per_replica or not per_replica[0]:
         return -1
     finite = tf.reduce_all(tf.math.is_finite(tf.stack([squared_norms(list(r)) for r in per_replica])), 0)
@@ -169,3 +194,48 @@ def first_nonfinite_of(per_replica: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor 
         return int(bad[0]) if bad.size else -1
     first = tf.argmin(tf.cast(finite, tf.int32), output_type=tf.int64)
     return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)
+
+
+def check_same_on_all_ranks(
+    comm: Communicator, tensors: Sequence[tf.Tensor], what: str, names: Sequence[str] | None = None
+) -> None:
+    """Raises ValueError on every rank if some rank's tensors differ in count, shape or dtype from rank 0's.
+
+    Runs before any data moves. Inside tf.function it runs once, when the function is traced.
+    """
+    everyone = comm.allgather_object(tensor_specs(tensors), f"{what} metadata check")
+    mismatch = first_mismatch(everyone, "rank", names)
+    if mismatch is not None:
+        raise ValueError(f"{what}: {mismatch}")
+
+
+def check_replicas_everywhere(
+    comm: Communicator, local: Sequence[Sequence[tf.Tensor]], names: Sequence[str] | None = None
+) -> list[int]:
+    """Checks every process's replicas in one metadata round; returns every process's replica count.
+
+    Each process sends its replica count, its tensors' specs, and what is wrong with its own replicas
+    (none, mismatched shapes, integer tensors), so that every process raises the same error, not only
+    the one at fault.
+
+    Raises:
+        ValueError / TypeError: on every process, naming the process and the tensor.
+    """
+    problem = None
+    try:
+        if not local:
+            raise ValueError("this process has no replicas")
+        check_replicas_match(local)
+        ops.check_float_tensors("allreduce_replicas", local[0], one_dtype=False)
+    except (ValueError, TypeError) as error:
+        problem = (type(error).__name__, str(error))
+    specs = tensor_specs(local[0]) if local else []
+    everyone = comm.allgather_object((len(local), specs, problem), "Adasum metadata check")
+    for rank, (_, _, found) in enumerate(everyone):
+        if found is not None:
+            kind = TypeError if found[0] == "TypeError" else ValueError
+            raise kind(f"allreduce_replicas: rank {rank}: {found[1]}")
+    mismatch = first_mismatch([specs for _, specs, _ in everyone], "rank", names)
+    if mismatch is not None:
+        raise ValueError(f"allreduce(op=Adasum): {mismatch}")
+    return [count for count, _, _ in everyone]

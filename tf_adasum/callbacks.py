@@ -5,158 +5,46 @@
 - BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateWarmupCallback and
   LearningRateScheduleCallback: Horovod's callbacks (horovod/_keras/callbacks.py), for Keras 3.
 
-The broadcast of weights, the averaging of logs and of BatchNorm statistics live here once;
-AdasumOptimizer and AdasumStrategy call the same functions.
+The sync they install is sync.py's; the broadcasts, log averaging and batch-count checks are
+shared_state.py's, which AdasumOptimizer and AdasumStrategy call too.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import _compat, agreement, distributed
-from tf_adasum.comm.base import UnevenDataError
+from tf_adasum import _compat, distributed, sync
+from tf_adasum.shared_state import (
+    agree_at_epoch_end,
+    average_logs,
+    broadcast_model_and_optimizer,
+    check_equal_steps,
+    forget_agreed_epochs,
+)
+from tf_adasum.variables import tf_variable
 
 
-def broadcast_variables(variables: Sequence[Any], root: int) -> None:
-    """Assigns rank `root`'s values to `variables` on every process (a no-op in a world of one).
-
-    Args:
-        variables: Keras or TensorFlow variables, the same list on every process.
-        root: the rank whose values everyone takes.
-    """
-    comm = distributed.init()
-    variables = list(variables)
-    if comm.size == 1 or not variables:
-        return
-    if not 0 <= root < comm.size:
-        raise ValueError(f"root rank {root} is not a rank of this job of {comm.size} processes")
-    values = distributed.broadcast([tf_variable(v) for v in variables], root=root)
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
+def _retrace_with(model: keras.Model) -> None:
+    """Makes Keras trace a new train function now, which holds what a callback just installed."""
+    model.make_train_function(force=True)
 
 
-def tf_variable(variable: Any) -> Any:
-    """The TensorFlow (possibly distributed) variable behind a Keras variable."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def broadcast_model_and_optimizer(model: keras.Model, root: int) -> None:
-    """Every process takes rank `root`'s model variables, and its optimizer state at a fresh start.
-
-    Horovod broadcasts the optimizer state too, which is the same on every process when gradients are
-    averaged before the optimizer. With Adasum after the optimizer each process's optimizer state is its
-    own, and a run resumed from per-process checkpoints (BackupAndRestore) must keep it: so the state is
-    broadcast only when no process has taken a step yet, and otherwise every process must be at the same
-    step.
-
-    Raises:
-        ValueError: the processes' optimizers are at different steps.
-    """
-    broadcast_variables(model.variables, root)
-    optimizer = model.optimizer
-    if optimizer is None or not optimizer.built:
-        return
-    steps = distributed.init().allgather_object(int(optimizer.iterations.numpy()), "optimizer step check")
-    if not any(steps):
-        broadcast_variables(optimizer.variables, root)
-    elif len(set(steps)) > 1:
-        counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-        raise ValueError(
-            f"the processes' optimizers are at different steps ({counts}): resume every process from a "
-            "checkpoint of the same step"
-        )
-
-
-def average_logs(logs: Any) -> Any:
-    """The mean over processes of every floating scalar in `logs`, in one collective.
-
-    Works on Keras's logs both inside a compiled step (tensors) and between steps (Python floats or
-    numpy scalars); other entries pass through. Returns logs of the same structure and types.
-    """
-    comm = distributed.init()
-    if comm.size == 1:
-        return logs
-    flat = tf.nest.flatten(logs)
-    index = [i for i, v in enumerate(flat) if _is_float_scalar(v)]
-    if not index:
-        return logs
-    values = tf.stack([tf.cast(flat[i], tf.float64) for i in index])
-    mean = distributed.allreduce(values, op=distributed.Average)
-    for j, i in enumerate(index):
-        if isinstance(flat[i], tf.Tensor):
-            flat[i] = tf.cast(mean[j], flat[i].dtype)
-        else:
-            flat[i] = type(flat[i])(mean[j].numpy())
-    return tf.nest.pack_sequence_as(logs, flat)
-
-
-def average_state_over_processes(variables: Sequence[Any]) -> None:
-    """Assigns to each floating variable its mean over processes (BatchNorm's moving statistics).
-
-    AdasumStrategy runs this after every train step across processes, as MirroredStrategy averages
-    non-trainable state over its replicas.
-    """
-    state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
-    if not state or distributed.init().size == 1:
-        return
-    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
-    for variable, mean in zip(state, means, strict=True):
-        variable.assign(mean)
-
-
-def _is_float_scalar(value: Any) -> bool:
-    if isinstance(value, tf.Tensor):
-        return value.dtype.is_floating and value.shape.rank == 0
-    return isinstance(value, (float, np.floating))
-
-
-def check_equal_steps(params: dict[str, Any]) -> None:
-    """Raises UnevenDataError on every process if `fit` will run different numbers of batches per epoch.
-
-    Catches uneven shards before the first step when Keras knows the count (arrays, datasets of known
-    size, or steps_per_epoch). Datasets of unknown size are checked at the end of each epoch.
-    """
-    comm = distributed.init()
-    if comm.size == 1:
-        return
-    steps = comm.allgather_object(params.get("steps"), "steps-per-epoch check")
-    if any(s is not None for s in steps) and len(set(steps)) > 1:
-        counts = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-        raise UnevenDataError(
-            f"the ranks would run different numbers of batches per epoch ({counts}): give every rank the "
-            "same number of batches (equal shards, drop_remainder=True), or pass steps_per_epoch to fit"
-        )
-
-
-# The last epoch whose end each model's processes agreed on: several callbacks may ask, once counts.
-_epochs_agreed: weakref.WeakKeyDictionary[keras.Model, int] = weakref.WeakKeyDictionary()
-
-
-def agree_at_epoch_end(model: keras.Model, epoch: int, batches: int) -> None:
-    """Every process checks that all ended this epoch after the same number of batches.
-
-    A process that ran out of data meets the others' next model sync here, so every rank raises
-    UnevenDataError instead of waiting for a peer that will never come.
-    """
-    comm = distributed.init()
-    if comm.size == 1 or _epochs_agreed.get(model) == epoch:
-        return
-    _epochs_agreed[model] = epoch
-    agreement.agree(comm, agreement.EPOCH_END, batches, "epoch-end check")
+def _retrace_without(model: keras.Model) -> None:
+    """Makes the next fit trace a train function without what a callback installed."""
+    model.train_function = None
 
 
 class _CountsBatches(keras.callbacks.Callback):
     """Counts the batches of the current epoch, for the epoch-end agreement."""
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        _epochs_agreed.pop(self.model, None)  # a new fit counts its epochs from its initial epoch again
+        forget_agreed_epochs(self.model)  # a new fit counts its epochs from its initial epoch again
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._batches = 0
@@ -207,10 +95,8 @@ class AdasumCallback(_CountsBatches):
     """
 
     def __init__(self, sync_every: int = 1, root: int = 0) -> None:
-        from tf_adasum.optimizer import check_sync_every  # optimizer.py imports this module
-
         super().__init__()
-        check_sync_every(sync_every)
+        sync.check_sync_every(sync_every)
         # Mixed precision's skip decision must be global, and errors inside steps translated.
         _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step")
         if not isinstance(root, int) or root < 0:
@@ -220,9 +106,6 @@ class AdasumCallback(_CountsBatches):
         self._optimizer: keras.optimizers.Optimizer | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        # Imported here: optimizer.py imports this module for broadcast_variables.
-        from tf_adasum.optimizer import WrappedOptimizer, sync_if_due, sync_stats
-
         super().on_train_begin(logs)
         model, optimizer = self.model, self.model.optimizer
         if model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
@@ -231,13 +114,13 @@ class AdasumCallback(_CountsBatches):
                 f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
             )
         stepping = _compat.loss_scale_inner(optimizer)  # under mixed_float16, inside a LossScaleOptimizer
-        if isinstance(stepping, WrappedOptimizer):
+        if sync.extended_by_callback(stepping):
+            del stepping.apply  # left by a fit that raised before on_train_end could restore it
+        if sync.syncs(stepping):
             raise ValueError(
                 f"the model's optimizer is already a {type(stepping).__name__}, which combines across "
                 "processes itself: use either it or AdasumCallback, not both"
             )
-        if syncs_in_apply(stepping):
-            del stepping.apply  # left by a fit that raised before on_train_end could restore it
         distributed.init()
         check_equal_steps(self.params)
         variables = list(model.trainable_variables)
@@ -256,15 +139,14 @@ class AdasumCallback(_CountsBatches):
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
             local_step(grads, trainable_variables)
-            stats = sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
-            sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
+            stats = sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
+            sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
 
-        apply_then_sync._tf_adasum_sync = True  # type: ignore[attr-defined]
+        setattr(apply_then_sync, sync.SYNCS, True)
         stepping.apply = apply_then_sync
         self._optimizer = stepping
         self._started = False
-        # A train function traced before (an earlier fit) would not contain the sync.
-        model.make_train_function(force=True)
+        _retrace_with(model)  # a train function traced before (an earlier fit) would not sync
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._started:
@@ -281,15 +163,7 @@ class AdasumCallback(_CountsBatches):
         if self._optimizer is not None:
             del self._optimizer.apply  # the class's own apply again
             self._optimizer = None
-            self.model.train_function = None  # the next fit traces one without the sync
-
-    def get_config(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "root": self.root}
-
-
-def syncs_in_apply(optimizer: keras.optimizers.Optimizer) -> bool:
-    """Whether AdasumCallback has extended this optimizer's apply with the sync (during fit)."""
-    return getattr(vars(optimizer).get("apply"), "_tf_adasum_sync", False)
+            _retrace_without(self.model)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -501,18 +375,14 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
     """
 
     def __init__(self, every: int = 100) -> None:
-        from tf_adasum.optimizer import positive_integer  # optimizer.py imports this module
-
         super().__init__()
-        self.every = positive_integer("every", every)
+        self.every = sync.check_positive_integer("every", every)
         self.history: list[tuple[int, dict[str, float]]] = []
         self._stats: Any = None
         self._optimizer: Any = None
         self._next = every
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        from tf_adasum.optimizer import SyncStats, enable_sync_stats
-
         model = self.model
         comm = distributed.init()
         if comm.size > 1:
@@ -521,9 +391,9 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
             comm.allgather_object("monitor", "OrthogonalityMonitor start (add the monitor on every process)")
         self._optimizer = _compat.loss_scale_inner(model.optimizer)
         with model.distribute_strategy.scope():
-            self._stats = SyncStats(list(model.trainable_variables))
-        enable_sync_stats(self._optimizer, self._stats)
-        model.make_train_function(force=True)  # one traced before would not record
+            self._stats = sync.SyncStats(list(model.trainable_variables))
+        sync.enable_sync_stats(self._optimizer, self._stats)
+        _retrace_with(model)  # one traced before would not record
         self._next = (int(model.optimizer.iterations.numpy()) // self.every + 1) * self.every
 
     def values(self) -> dict[str, float]:
@@ -563,9 +433,7 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
             logs.update(values)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        from tf_adasum.optimizer import enable_sync_stats
-
         if self._optimizer is not None:
-            enable_sync_stats(self._optimizer, None)
-            self.model.train_function = None  # the next fit traces one without the recording
+            sync.enable_sync_stats(self._optimizer, None)
+            _retrace_without(self.model)
             self._optimizer = None

@@ -20,7 +20,7 @@ from typing import Any
 import keras as _keras
 import tensorflow as tf
 
-from tf_adasum import callbacks, distributed
+from tf_adasum import agreement, callbacks, distributed, shared_state, sync
 from tf_adasum.distributed import (
     Adasum,
     Average,
@@ -131,7 +131,7 @@ def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
 
 def broadcast_variables(variables: Any, root_rank: int) -> None:
     """Assigns rank `root_rank`'s values to `variables` on every process."""
-    callbacks.broadcast_variables(list(variables), root_rank)
+    shared_state.broadcast_variables(list(variables), root_rank)
 
 
 def allgather(value: Any, name: str | None = None) -> Any:
@@ -146,7 +146,7 @@ def allgather(value: Any, name: str | None = None) -> Any:
     rows = comm.allgather(tf.shape(tensor, out_type=tf.int64)[:1])[:, 0]
     longest = int(tf.reduce_max(rows))
     padded = tf.pad(tensor, [[0, longest - int(tensor.shape[0])]] + [[0, 0]] * (tensor.shape.rank - 1))
-    distributed.check_same_on_all_ranks(comm, [padded], "allgather")
+    agreement.check_same_on_all_ranks(comm, [padded], "allgather")
     gathered = comm.allgather(padded)
     parts = [gathered[r, : int(rows[r])] for r in range(comm.size)]
     return _value(tf.concat(parts, 0))
@@ -209,10 +209,7 @@ def DistributedOptimizer(
         )
     del sparse_as_dense  # both values give dense reductions here (see Args)
     reduce_op = distributed.ReduceOp(op)
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(
-            f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}"
-        )
+    sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
     if average_aggregated_gradients and backward_passes_per_step > 1:
         raise NotImplementedError(
             "DistributedOptimizer(average_aggregated_gradients=True, backward_passes_per_step>1) is not "

@@ -1,4 +1,6 @@
-"""AdasumOptimizer: every replica steps on its own, then the model deltas are combined with Adasum.
+"""The two optimizer wrappers, AdasumOptimizer and AllreduceOptimizer, and their per-replica checkpoint state.
+
+AdasumOptimizer: every replica steps on its own, then the model deltas are combined with Adasum.
 
 This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figure 3):
 
@@ -7,8 +9,8 @@ This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figur
    (`extended.update` with per-replica gradients) then steps each replica's copy of every variable
    and of every slot on its device, so momentum and Adam moments stay per replica.
 2. Every `sync_every` steps the deltas since the last sync, `w_replica - w_anchor`, are combined with
-   the contract tree over every replica of every process (distributed.allreduce_replicas); every
-   replica then holds `w_anchor + adasum(deltas)`, bitwise identical.
+   the contract tree over every replica of every process (sync.sync_if_due); every replica then holds
+   `w_anchor + adasum(deltas)`, bitwise identical.
 
 Under a strategy Keras scales each replica's loss by 1/N so that summed gradients average; the
 gradients are multiplied back by N, so each local step is exactly a single-worker step on that
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import io
 import warnings
-import weakref
 from typing import Any
 
 import keras
@@ -27,166 +28,15 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from tf_adasum import _compat, agreement, distributed
-from tf_adasum.callbacks import broadcast_variables, syncs_in_apply, tf_variable
-from tf_adasum.tree import squared_norms
-
-COMPRESSIONS = ("none", "fp16")
-
-
-def _local_values(distribution: tf.distribute.Strategy, variable: Any) -> list[Any]:
-    """The per-replica components of a variable on this process (one for a plain variable)."""
-    return list(distribution.experimental_local_results(tf_variable(variable)))
+from tf_adasum import _compat, agreement, distributed, sync
+from tf_adasum.compression import check_compression
+from tf_adasum.shared_state import broadcast_variables
+from tf_adasum.variables import replica_values, tf_variable, variable_name
 
 
 def _dense(gradient: Any) -> Any:
     """Keras 3 under TensorFlow gives embeddings IndexedSlices gradients; every reduction here is dense."""
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
-
-
-def positive_integer(name: str, value: Any) -> int:
-    """Returns value if it is a positive int (not a bool), else raises ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def check_sync_every(sync_every: Any) -> int:
-    """The one check of `sync_every` for AdasumOptimizer, AdasumStrategy and AdasumCallback."""
-    return positive_integer("sync_every", sync_every)
-
-
-def _check_compression(compression: str) -> str:
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-    return compression
-
-
-class SyncStats:
-    """Per variable, at the last sync: the sum over every replica of |d_i|^2, and |adasum(d_1..d_n)|^2.
-
-    Their ratio is the orthogonality OrthogonalityMonitor reports: 1 when the replicas' updates were
-    orthogonal (Adasum adds them), 1/n when they were equal (Adasum returns one of them). Recorded only
-    while a monitor asks (enable_sync_stats), at the cost of one norm pass over each delta and over the
-    result, and across processes one all-reduce of one float64 per variable; the updates are not
-    reduced a second time.
-    """
-
-    def __init__(self, variables: list[Any]) -> None:
-        n = len(variables)
-        self.names = [getattr(v, "path", None) or v.name for v in variables]
-        # Created under the model's strategy: assigned once per sync, in cross-replica context.
-        self.deltas_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_deltas_sq")
-        self.combined_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_combined_sq")
-        self.syncs = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="adasum_syncs")
-
-    def record(self, deltas_sq: tf.Tensor, combined_sq: tf.Tensor) -> None:
-        self.deltas_sq.assign(deltas_sq)
-        self.combined_sq.assign(combined_sq)
-        self.syncs.assign_add(1)
-
-
-_STATS: weakref.WeakKeyDictionary[Any, SyncStats] = weakref.WeakKeyDictionary()
-
-
-def enable_sync_stats(optimizer: Any, stats: SyncStats | None) -> None:
-    """Makes the syncs of `optimizer` (an AdasumOptimizer, or one AdasumCallback extends) record stats.
-
-    Takes effect in train functions traced from now on; None stops the recording.
-    """
-    if stats is None:
-        _STATS.pop(optimizer, None)
-    else:
-        _STATS[optimizer] = stats
-
-
-def sync_stats(optimizer: Any) -> SyncStats | None:
-    return _STATS.get(optimizer)
-
-
-def sync_deltas(
-    distribution: tf.distribute.Strategy,
-    variables: list[Any],
-    anchors: list[Any],
-    compression: str = "none",
-    stats: SyncStats | None = None,
-) -> tf.Tensor:
-    """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
-
-    The deltas since the last sync are combined with the contract tree over every replica of every
-    process (distributed.allreduce_replicas); every replica and every process then holds the same
-    weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
-    records the squared norms OrthogonalityMonitor reads.
-    """
-    per_variable = [_local_values(distribution, v) for v in variables]
-    anchor_values = [_local_values(distribution, a)[0] for a in anchors]
-    replicas = len(per_variable[0]) if per_variable else 0
-    per_replica = [
-        [tf.identity(values[r]) - anchor for values, anchor in zip(per_variable, anchor_values, strict=True)]
-        for r in range(replicas)
-    ]
-    names = [getattr(v, "path", None) or v.name for v in variables]
-    delta = distributed.allreduce_replicas(per_replica, names, compression)
-    deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
-    if distributed.init().size > 1:
-        if deltas_sq is not None:
-            deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
-    if stats is not None:
-        stats.record(deltas_sq, squared_norms(delta))
-    for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
-        synced = anchor_value + d
-        for target in (variable, anchor):
-            distribution.extended.update(
-                tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
-            )
-    return tf.constant(True)
-
-
-def sync_if_due(
-    distribution: tf.distribute.Strategy,
-    variables: list[Any],
-    anchors: list[Any],
-    iterations: Any,
-    sync_every: int,
-    compression: str = "none",
-    stats: SyncStats | None = None,
-) -> None:
-    """sync_deltas after every `sync_every`-th optimizer step (`iterations`, already incremented)."""
-    # In cross-replica context: a cond here may contain the collectives of the sync.
-    if sync_every == 1:
-        sync_deltas(distribution, variables, anchors, compression, stats)
-        return
-    due = tf.equal(tf.math.floormod(iterations, sync_every), 0)
-    tf.cond(
-        due,
-        lambda: sync_deltas(distribution, variables, anchors, compression, stats),
-        lambda: tf.constant(False),
-    )
-
-
-def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
-    """True when the gradients were finite on every replica of every process (a boolean scalar).
-
-    Mixed precision's LossScaleOptimizer asks this (see _compat.install_global_loss_scale_finiteness)
-    when it wraps a tf_adasum optimizer, whose replicas keep their own gradients: a step is skipped
-    everywhere, and the loss scale halved everywhere, when any replica overflowed. Across processes
-    the answer travels in the agreement collective (kind LOSS_SCALE), so a rank that has ended its
-    epoch meets it and both raise UnevenDataError instead of waiting.
-    """
-    finite = tf.convert_to_tensor(finite)
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
-        overflowed = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
-        )
-        finite = tf.equal(overflowed, 0.0)
-    comm = distributed.init()
-    if comm.size == 1:
-        return finite
-    # (LOSS_SCALE, 1) marks this rank's overflow; (LOSS_SCALE, 0) its finite gradients.
-    code = tf.where(finite, tf.constant(0, tf.int64), tf.constant(1, tf.int64))
-    table = agreement.agree(comm, agreement.LOSS_SCALE, code, "mixed-precision finiteness check")
-    return tf.reduce_all(tf.equal(table[:, 1], 0))
 
 
 class WrappedOptimizer(keras.optimizers.Optimizer):
@@ -195,6 +45,8 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
     The learning rate, the iteration count, loss scaling and finalisation are the inner optimizer's,
     so schedules and callbacks that read or set them see the optimizer the user configured.
     """
+
+    _tf_adasum_syncs = True  # sync.syncs(): its step ends in a sync across replicas or processes
 
     def __init__(self, inner: keras.optimizers.Optimizer, name: str) -> None:
         if isinstance(inner, WrappedOptimizer):
@@ -267,12 +119,6 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
-def _components(variable: Any) -> tuple[Any, ...]:
-    """Every local replica's copy of a variable (one for a plain variable)."""
-    value = tf_variable(variable)
-    return tuple(getattr(value, "values", (value,)))
-
-
 class ReplicaState:
     """Every local replica's copy of the inner optimizer's state, for checkpoints.
 
@@ -289,7 +135,7 @@ class ReplicaState:
 
     def gather(self) -> list[np.ndarray]:
         return [
-            np.stack([c.numpy() for c in _components(v)]) for v in self.optimizer.inner_optimizer.variables
+            np.stack([c.numpy() for c in replica_values(v)]) for v in self.optimizer.inner_optimizer.variables
         ]
 
     def spread(self, stacked: list[np.ndarray]) -> None:
@@ -306,7 +152,7 @@ class ReplicaState:
                 stacklevel=2,
             )
             return
-        saved, here = len(stacked[0]) if stacked else 0, len(_components(variables[0])) if variables else 0
+        saved, here = len(stacked[0]) if stacked else 0, len(replica_values(variables[0])) if variables else 0
         if saved != here:
             warnings.warn(
                 f"the checkpoint holds the optimizer state of {saved} replicas but this strategy has {here}: "
@@ -315,7 +161,7 @@ class ReplicaState:
             )
             return
         for variable, values in zip(variables, stacked, strict=True):
-            for component, value in zip(_components(variable), values, strict=True):
+            for component, value in zip(replica_values(variable), values, strict=True):
                 component.assign(value)
 
 
@@ -367,9 +213,9 @@ class AdasumOptimizer(WrappedOptimizer):
             raise ValueError("the inner optimizer is already an AdasumOptimizer")
         _compat.require()
         super().__init__(inner, name=name or f"adasum_{getattr(inner, 'name', 'optimizer')}")
-        self.sync_every = check_sync_every(sync_every)
+        self.sync_every = sync.check_sync_every(sync_every)
         self.root = root
-        self.compression = _check_compression(compression)
+        self.compression = check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
         _compat.disable_gradient_sum(inner)
         self._replica_state = ReplicaState(self)
@@ -396,7 +242,7 @@ class AdasumOptimizer(WrappedOptimizer):
             self._replica_state.spread(stacked)
         # The weights as of the last sync; deltas are measured from here.
         self._anchors = [
-            self.add_variable_from_reference(v, name="adasum_anchor", initializer=_value_of(v))
+            self.add_variable_from_reference(v, name="adasum_anchor", initializer=_initializer_copying(v))
             for v in var_list
         ]
         super().build(var_list)
@@ -419,14 +265,14 @@ class AdasumOptimizer(WrappedOptimizer):
         )
         anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
         context.merge_call(
-            sync_if_due,
+            sync.sync_if_due,
             args=(
                 variables,
                 anchors,
                 self.inner_optimizer.iterations,
                 self.sync_every,
                 self.compression,
-                sync_stats(self),
+                sync.sync_stats(self),
             ),
         )
 
@@ -494,7 +340,7 @@ class AllreduceOptimizer(WrappedOptimizer):
             raise ValueError("AllreduceOptimizer sums or averages gradients; for Adasum use AdasumOptimizer")
         super().__init__(inner, name=name or f"allreduce_{getattr(inner, 'name', 'optimizer')}")
         self.op = op
-        self.compression = _check_compression(compression)
+        self.compression = check_compression(compression)
 
     def build(self, var_list: list[Any]) -> None:
         self.inner_optimizer.build(var_list)
@@ -516,7 +362,7 @@ class AllreduceOptimizer(WrappedOptimizer):
                 grads = [None if g is None else tf.identity(_dense(g)) for g in grads]
             present = [i for i, g in enumerate(grads) if g is not None]
             variables = list(trainable_variables) if trainable_variables is not None else None
-            names = [variables[i].path for i in present] if variables is not None else []
+            names = [variable_name(variables[i]) for i in present] if variables is not None else []
             reduced = distributed.allreduce_compressed(
                 [grads[i] for i in present], self.op, self.compression, names
             )
@@ -529,17 +375,10 @@ class AllreduceOptimizer(WrappedOptimizer):
         return {**self._config(), "op": self.op.value, "compression": self.compression}
 
 
-def _value_of(variable: Any) -> Any:
+def _initializer_copying(variable: Any) -> Any:
     """An initializer that copies the variable's current value."""
 
     def initializer(shape: Any, dtype: Any) -> Any:
         return tf.cast(tf.identity(tf_variable(variable)), dtype)
 
     return initializer
-
-
-# Keras's LossScaleOptimizer decides to skip a step from the first replica's gradients; around a
-# tf_adasum optimizer it must decide from all of them.
-_compat.install_global_loss_scale_finiteness(
-    lambda optimizer: isinstance(optimizer, WrappedOptimizer) or syncs_in_apply(optimizer), finite_everywhere
-)

@@ -19,13 +19,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import _compat, distributed
-from tf_adasum.callbacks import average_logs, average_state_over_processes
-from tf_adasum.optimizer import AdasumOptimizer, check_sync_every
+from tf_adasum import _compat, distributed, sync
+from tf_adasum.errors import HookError
+from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
 
 
-def _adasum_under_adasum_strategy(optimizer: Any) -> Any:
-    """What keras.optimizers.get returns: under an AdasumStrategy's scope, wrapped in AdasumOptimizer.
+def wrap_under_adasum_strategy(optimizer: Any) -> Any:
+    """What keras.optimizers.get returns (tf_adasum/__init__.py installs it): under an AdasumStrategy's
+    scope, the optimizer wrapped in AdasumOptimizer; anywhere else, the optimizer itself.
 
     A LossScaleOptimizer the user passed keeps its settings and goes around the AdasumOptimizer, as
     compile() puts it under the mixed_float16 policy: LossScaleOptimizer(AdasumOptimizer(optimizer)).
@@ -45,10 +47,6 @@ def _adasum_under_adasum_strategy(optimizer: Any) -> Any:
         dynamic_growth_steps=optimizer.dynamic_growth_steps,
         name=optimizer.name,
     )
-
-
-# Keras's compile() resolves its optimizer through keras.optimizers.get: replaced once, here.
-_compat.install_optimizer_get(_adasum_under_adasum_strategy)
 
 
 class AdasumStrategy(tf.distribute.MirroredStrategy):
@@ -73,7 +71,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         sync_every: int = 1,
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
     ) -> None:
-        check_sync_every(sync_every)
+        sync.check_sync_every(sync_every)
         _compat.require_tensorflow_backend("AdasumStrategy")
         _compat.require()
         # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
@@ -138,20 +136,14 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         callbacks such as EarlyStopping see the same global values on every process.
         """
         local = super().reduce(reduce_op, value, axis)
-        if self.comm.size == 1:
-            return local
         op = tf.distribute.ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
-        wide = tf.cast(local, tf.float64) if local.dtype.is_floating else local
-        total = distributed.allreduce(
-            wide, op=distributed.Average if op == tf.distribute.ReduceOp.MEAN else distributed.Sum
-        )
-        return tf.cast(total, local.dtype)
+        return reduce_over_processes(local, mean=op == tf.distribute.ReduceOp.MEAN)
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
         step = _compat.keras_step(fn)
         running = _compat.keras_function_running()
         if step is None and running is not None:
-            raise _compat.HookError(
+            raise HookError(
                 f"Keras's {running} function ran {fn!r} through strategy.run, not the model's bound "
                 f"{running}_step that tf_adasum recognises (Keras {keras.__version__}): AdasumStrategy "
                 f"cannot check its optimizer or average its logs across processes. A decorator on train_step "

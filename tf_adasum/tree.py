@@ -1,4 +1,4 @@
-"""The replica tree of docs/design.md, computed in one process with the fused ops.
+"""The replica tree of docs/design.md, the numeric contract: its shape, and computed in one process.
 
 Per tensor, over P replicas v_0 ... v_{P-1} (any P >= 1):
 
@@ -6,7 +6,8 @@ Per tensor, over P replicas v_0 ... v_{P-1} (any P >= 1):
     fold:  u_i = adasum(v_2i, v_2i+1) for i < r;  u_i = v_{i+r} for r <= i < p2
     then pair neighbours level by level: (u_0, u_1), (u_2, u_3), ... until one value remains.
 
-The distributed algorithm (vhdd.py) computes the same tree across processes.
+The distributed algorithms (vhdd.py) compute the same tree across processes, and
+across_processes.tree_over_replicas over every replica of every process, from these pairs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import ops
+from tf_adasum.tensor_lists import check_replicas_match, indices_by_dtype
 
 
 def fold_size(p: int) -> tuple[int, int]:
@@ -25,67 +27,6 @@ def fold_size(p: int) -> tuple[int, int]:
         raise ValueError(f"Adasum needs at least one replica, got {p}")
     p2 = 1 << (p.bit_length() - 1)
     return p2, p - p2
-
-
-def tensor_specs(tensors: Sequence[tf.Tensor]) -> list[tuple[list[int | None] | None, str]]:
-    """Each tensor's static shape (None when even the rank is unknown) and dtype name."""
-    return [(t.shape.as_list() if t.shape.rank is not None else None, t.dtype.name) for t in tensors]
-
-
-def describe_tensor(index: int, count: int, names: Sequence[str] | None = None) -> str:
-    """'tensor 3 of 12', with the tensor's name in parentheses when it is known."""
-    name = f" ({names[index]})" if names is not None and index < len(names) else ""
-    return f"tensor {index} of {count}{name}"
-
-
-def first_mismatch(
-    specs: Sequence[Sequence[tuple[list[int | None] | None, str]]],
-    where: str,
-    names: Sequence[str] | None = None,
-) -> str | None:
-    """How the first of specs[1:] that differs from specs[0] differs from it, or None when none does.
-
-    Replica or rank 0 holds what is expected. Used by the tree over a process's replicas and by the
-    check across ranks, so both say the same thing the same way.
-
-    Args:
-        specs: specs[r] is tensor_specs() of replica or rank r's tensors.
-        where: "replica" or "rank".
-        names: the tensors' names, for the message.
-
-    Returns:
-        For example "tensor 3 of 12 (dense/kernel) has shape [4, 6] and dtype float32 on rank 1 but
-        shape [4, 5] and dtype float32 on rank 0", or "rank 2 has 1 tensors but rank 0 has 2".
-    """
-    expected = specs[0]
-    for r, got in enumerate(specs[1:], start=1):
-        if len(got) != len(expected):
-            return f"{where} {r} has {len(got)} tensors but {where} 0 has {len(expected)}"
-        for i, ((shape, dtype), (shape0, dtype0)) in enumerate(zip(got, expected, strict=True)):
-            if shape != shape0 or dtype != dtype0:
-                return (
-                    f"{describe_tensor(i, len(expected), names)} has shape {shape} and dtype {dtype} "
-                    f"on {where} {r} but shape {shape0} and dtype {dtype0} on {where} 0"
-                )
-    return None
-
-
-def check_replicas_match(per_replica: Sequence[Sequence[tf.Tensor]], where: str = "replica") -> None:
-    """Raises ValueError naming the tensor and the replica whose count, shape or dtype differ from 0's."""
-    mismatch = first_mismatch([tensor_specs(tensors) for tensors in per_replica], where)
-    if mismatch is not None:
-        raise ValueError(mismatch)
-
-
-def indices_by_dtype(tensors: Sequence[tf.Tensor]) -> list[list[int]]:
-    """The positions of the tensors of each dtype, dtypes in the order they first appear.
-
-    Mixed precision mixes dtypes in one list; the fused ops take one dtype per call.
-    """
-    groups: dict[tf.DType, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return list(groups.values())
 
 
 def adasum_pair_any_dtypes(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -97,17 +38,6 @@ def adasum_pair_any_dtypes(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> li
         ):
             out[i] = combined
     return out
-
-
-def squared_norms(tensors: list[Any]) -> tf.Tensor:
-    """|t|^2 of each tensor, in float64, with one fused kernel per dtype."""
-    out: list[Any] = [None] * len(tensors)
-    for index in indices_by_dtype(tensors):
-        group = [tensors[i] for i in index]
-        rows = ops.adasum_dot_norms(group, group)[:, 1]
-        for j, i in enumerate(index):
-            out[i] = rows[j]
-    return tf.stack(out) if out else tf.zeros([0], tf.float64)
 
 
 def pair_on_left_device(a: list[tf.Tensor], b: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -134,7 +64,7 @@ def tree_pairs(p: int) -> list[tuple[Span, Span]]:
     return pairs
 
 
-def evaluate(values: dict[Span, Any], p: int, pair: Callable[[Any, Any], Any]) -> dict[Span, Any]:
+def fill_nodes(values: dict[Span, Any], p: int, pair: Callable[[Any, Any], Any]) -> dict[Span, Any]:
     """Fills in every node of the tree over p leaves whose two children `values` holds (or comes to hold).
 
     With every leaf given, the root (0, p) ends up in `values`; with only the leaves [lo, hi) given, the
@@ -186,7 +116,7 @@ def adasum_tree(per_replica: Sequence[Sequence[Any]], device: str | None = None)
     check_replicas_match(replicas)
     ops.check_float_tensors("adasum_tree", replicas[0], one_dtype=False)
     leaves = {(j, j + 1): replicas[j] for j in range(p)}
-    result = evaluate(leaves, p, pair_on_left_device)[(0, p)]
+    result = fill_nodes(leaves, p, pair_on_left_device)[(0, p)]
     if device is None:
         return result
     with tf.device(device):

@@ -1,39 +1,21 @@
-"""The one communicator interface that the distributed algorithm (vhdd.py) is written on."""
+"""The communicator interface the distributed algorithms are written on, and a world of one.
+
+Communicator is what every engine provides: ranks, and the few collectives Adasum and training need,
+on TensorFlow tensors, eagerly and inside tf.function. HostCommunicator adds the same exchanges on
+numpy buffers, for an engine whose transport is host code (MPI): the algorithms are written once per
+memory kind (vhdd.py), on tensors for every engine and on host buffers for these.
+"""
 
 from __future__ import annotations
 
 import abc
-import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-DEFAULT_TIMEOUT_SECONDS = 300.0
-
-
-def timeout_seconds() -> float:
-    """How long any wait for a peer may last: $TF_ADASUM_TIMEOUT_SECONDS, default 300 s."""
-    return float(os.environ.get("TF_ADASUM_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS))
-
-
-class PeerError(RuntimeError):
-    """A peer died, never arrived, or did not answer within the timeout."""
-
-
-class NonFiniteUpdateError(ValueError):
-    """Some rank's update holds NaN or Inf; every rank raises the same error at the same step."""
-
-
-class UnevenDataError(ValueError):
-    """The ranks ran different numbers of batches; every rank raises the same error."""
-
-
-# Errors raised inside a tf.function reach the caller as tf.errors.UnknownError (or, from the collective
-# runtime, as Unavailable / DeadlineExceeded); errors.translate() turns them back into these.
-ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (PeerError, NonFiniteUpdateError, UnevenDataError)
-}
+from tf_adasum.errors import PeerError
 
 
 class Communicator(abc.ABC):
@@ -95,6 +77,31 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         """Every rank's picklable object, in rank order; run eagerly (also at tf.function trace time)."""
+
+
+class HostCommunicator(Communicator):
+    """A communicator whose transport is host code, with the exchanges also on numpy buffers.
+
+    The distributed algorithms run on one numpy buffer per dtype through these (vhdd.vhdd_host,
+    vhdd.gather_host), and a compiled sync is then one host call (across_processes). Each method is
+    collective over the ranks it names, like Communicator's.
+    """
+
+    @abc.abstractmethod
+    def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        """Sends `send` to `peer` and receives its message into `recv` (contiguous, written in place)."""
+
+    @abc.abstractmethod
+    def allgather_host(self, send: np.ndarray, recv: np.ndarray, what: str) -> None:
+        """Every rank's `send` into the rows of `recv` ([size, *send.shape]), in rank order."""
+
+    @abc.abstractmethod
+    def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
+        """group_sum on a numpy float64 vector."""
+
+    @abc.abstractmethod
+    def agree_host(self, codes: np.ndarray, what: str) -> np.ndarray:
+        """agree on a numpy int64 vector, from host code."""
 
 
 class SingleProcessCommunicator(Communicator):

@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat
-from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
+from tf_adasum.comm.base import HostCommunicator
+from tf_adasum.errors import PeerError, timeout_seconds
 
 # Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange progresses only
 # as fast as it is polled: poll without sleeping (yielding the core, for oversubscribed ranks) for
@@ -24,7 +25,7 @@ _SPIN_SECONDS = 2.0
 _POLL_SLEEP_SECONDS = 1e-3
 
 
-class MPICommunicator(Communicator):
+class MPICommunicator(HostCommunicator):
     """MPI.COMM_WORLD, with one sub-communicator per block of the Adasum tree."""
 
     engine = "mpi"
@@ -57,8 +58,9 @@ class MPICommunicator(Communicator):
         local.Free()
         cross.Free()
         self._groups: dict[tuple[int, ...], Any] = {}
-        # Payload bytes this rank has sent in exchanges and block sums, the Adasum traffic (for the
-        # benchmarks' cost table; MPI's own collectives may move more for the block sums).
+        # Payload bytes this rank has sent in exchanges and block sums, the Adasum traffic. Only
+        # benchmarks/bench_allreduce.py reads it, for its cost table (MPI's own collectives may move
+        # more for the block sums).
         self.bytes_sent = 0
 
     def prepare_groups(self, groups: Sequence[Sequence[int]]) -> None:
@@ -120,21 +122,15 @@ class MPICommunicator(Communicator):
         ]
         self._wait(requests, what, f"rank {peer}")
 
-    # The distributed algorithm runs on numpy buffers here (vhdd.vhdd_host), through these.
-    host_buffers = True
-
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
-        """Sends `send` to `peer` and receives its message into `recv` (contiguous, written in place)."""
         self._sendrecv(peer, send, recv, what)
 
     def allgather_host(self, send: np.ndarray, recv: np.ndarray, what: str) -> None:
-        """Every rank's `send` into the rows of `recv` ([size, *send.shape]), in rank order, on Adasum's
-        own communicator."""
+        # On Adasum's own communicator (see __init__).
         self.bytes_sent += send.nbytes * (self.size - 1)
         self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, "all ranks")
 
     def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
-        """group_sum on a numpy float64 vector."""
         key = tuple(group)
         if key not in self._groups:
             self.prepare_groups([key])
@@ -195,7 +191,6 @@ class MPICommunicator(Communicator):
         return self._host(run, [tensor], tensor.dtype, tensor.shape)
 
     def agree_host(self, codes: np.ndarray, what: str) -> np.ndarray:
-        """agree on a numpy int64 vector, from host code (a compiled step's one host call)."""
         # Point to point rather than one Iallgather, so that a timeout names the ranks missing.
         out = np.empty((self.size, *codes.shape), np.int64)
         out[self.rank] = codes

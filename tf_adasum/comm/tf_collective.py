@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.comm.base import Communicator, PeerError, timeout_seconds
+from tf_adasum.comm.base import Communicator
+from tf_adasum.errors import PeerError, timeout_seconds
 
 
 def _group_key(members: Sequence[int | str]) -> int:

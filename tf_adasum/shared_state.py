@@ -1,0 +1,156 @@
+"""Keras state every process must share: weights broadcast, logs and BatchNorm averaged, batches agreed.
+
+AdasumOptimizer, AdasumStrategy, the callbacks and the Horovod APIs all keep the processes' Keras state
+in step through these: the same weights at the start (broadcast_variables), the same logs and
+moving statistics after a step (average_logs, average_state_over_processes, reduce_over_processes),
+and the same number of batches per epoch (check_equal_steps, agree_at_epoch_end).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum import agreement, distributed
+from tf_adasum.errors import UnevenDataError
+from tf_adasum.variables import tf_variable
+
+
+def broadcast_variables(variables: Sequence[Any], root: int) -> None:
+    """Assigns rank `root`'s values to `variables` on every process (a no-op in a world of one).
+
+    Args:
+        variables: Keras or TensorFlow variables, the same list on every process.
+        root: the rank whose values everyone takes.
+    """
+    comm = distributed.init()
+    variables = list(variables)
+    if comm.size == 1 or not variables:
+        return
+    if not 0 <= root < comm.size:
+        raise ValueError(f"root rank {root} is not a rank of this job of {comm.size} processes")
+    values = distributed.broadcast([tf_variable(v) for v in variables], root=root)
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
+
+
+def broadcast_model_and_optimizer(model: keras.Model, root: int) -> None:
+    """Every process takes rank `root`'s model variables, and its optimizer state at a fresh start.
+
+    Horovod broadcasts the optimizer state too, which is the same on every process when gradients are
+    averaged before the optimizer. With Adasum after the optimizer each process's optimizer state is its
+    own, and a run resumed from per-process checkpoints (BackupAndRestore) must keep it: so the state is
+    broadcast only when no process has taken a step yet, and otherwise every process must be at the same
+    step.
+
+    Raises:
+        ValueError: the processes' optimizers are at different steps.
+    """
+    broadcast_variables(model.variables, root)
+    optimizer = model.optimizer
+    if optimizer is None or not optimizer.built:
+        return
+    steps = distributed.init().allgather_object(int(optimizer.iterations.numpy()), "optimizer step check")
+    if not any(steps):
+        broadcast_variables(optimizer.variables, root)
+    elif len(set(steps)) > 1:
+        raise ValueError(
+            f"the processes' optimizers are at different steps ({agreement.per_rank(steps)}): resume every "
+            "process from a checkpoint of the same step"
+        )
+
+
+def average_logs(logs: Any) -> Any:
+    """The mean over processes of every floating scalar in `logs`, in one collective.
+
+    Works on Keras's logs both inside a compiled step (tensors) and between steps (Python floats or
+    numpy scalars); other entries pass through. Returns logs of the same structure and types.
+    """
+    comm = distributed.init()
+    if comm.size == 1:
+        return logs
+    flat = tf.nest.flatten(logs)
+    index = [i for i, v in enumerate(flat) if _is_float_scalar(v)]
+    if not index:
+        return logs
+    values = tf.stack([tf.cast(flat[i], tf.float64) for i in index])
+    mean = distributed.allreduce(values, op=distributed.Average)
+    for j, i in enumerate(index):
+        if isinstance(flat[i], tf.Tensor):
+            flat[i] = tf.cast(mean[j], flat[i].dtype)
+        else:
+            flat[i] = type(flat[i])(mean[j].numpy())
+    return tf.nest.pack_sequence_as(logs, flat)
+
+
+def reduce_over_processes(value: tf.Tensor, mean: bool) -> tf.Tensor:
+    """The sum over processes of a tensor, or with `mean` its mean; floating dtypes are added in float64."""
+    if distributed.init().size == 1:
+        return value
+    wide = tf.cast(value, tf.float64) if value.dtype.is_floating else value
+    total = distributed.allreduce(wide, op=distributed.Average if mean else distributed.Sum)
+    return tf.cast(total, value.dtype)
+
+
+def average_state_over_processes(variables: Sequence[Any]) -> None:
+    """Assigns to each floating variable its mean over processes (BatchNorm's moving statistics).
+
+    AdasumStrategy runs this after every train step across processes, as MirroredStrategy averages
+    non-trainable state over its replicas.
+    """
+    state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
+    if not state or distributed.init().size == 1:
+        return
+    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
+    for variable, mean in zip(state, means, strict=True):
+        variable.assign(mean)
+
+
+def _is_float_scalar(value: Any) -> bool:
+    if isinstance(value, tf.Tensor):
+        return value.dtype.is_floating and value.shape.rank == 0
+    return isinstance(value, (float, np.floating))
+
+
+def check_equal_steps(params: dict[str, Any]) -> None:
+    """Raises UnevenDataError on every process if `fit` will run different numbers of batches per epoch.
+
+    Catches uneven shards before the first step when Keras knows the count (arrays, datasets of known
+    size, or steps_per_epoch). Datasets of unknown size are checked at the end of each epoch.
+    """
+    comm = distributed.init()
+    if comm.size == 1:
+        return
+    steps = comm.allgather_object(params.get("steps"), "steps-per-epoch check")
+    if any(s is not None for s in steps) and len(set(steps)) > 1:
+        raise UnevenDataError(
+            f"the ranks would run different numbers of batches per epoch ({agreement.per_rank(steps)}): "
+            f"{agreement.UNEVEN_DATA_ADVICE}"
+        )
+
+
+# The last epoch whose end each model's processes agreed on: several callbacks may ask, once counts.
+_epochs_agreed: weakref.WeakKeyDictionary[keras.Model, int] = weakref.WeakKeyDictionary()
+
+
+def forget_agreed_epochs(model: keras.Model) -> None:
+    """A new fit counts its epochs from its initial epoch again."""
+    _epochs_agreed.pop(model, None)
+
+
+def agree_at_epoch_end(model: keras.Model, epoch: int, batches: int) -> None:
+    """Every process checks that all ended this epoch after the same number of batches.
+
+    A process that ran out of data meets the others' next model sync here, so every rank raises
+    UnevenDataError instead of waiting for a peer that will never come.
+    """
+    comm = distributed.init()
+    if comm.size == 1 or _epochs_agreed.get(model) == epoch:
+        return
+    _epochs_agreed[model] = epoch
+    agreement.agree(comm, agreement.EPOCH_END, batches, "epoch-end check")

@@ -1,0 +1,197 @@
+"""The model sync every entry point runs: anchor + Adasum(deltas) every k steps, and what goes with it.
+
+AdasumOptimizer, AdasumCallback (and so tf_adasum.keras's DistributedOptimizer(op=Adasum)) and
+AdasumStrategy all end their optimizer step in sync_if_due: every `sync_every` steps the deltas of
+every replica since the last sync are combined by the contract tree over every replica of every
+process, and every replica takes anchor + the combined delta. Also here: the statistics
+OrthogonalityMonitor reads, the global overflow decision of mixed precision, which optimizers sync,
+and the argument checks the entry points share.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import tensorflow as tf
+
+from tf_adasum import _compat, agreement, distributed
+from tf_adasum.tensor_lists import squared_norms
+from tf_adasum.variables import replica_values, tf_variable, variable_name
+
+# The mark of an optimizer that syncs: a class attribute of tf_adasum's wrappers, and an attribute of
+# the apply that AdasumCallback installs on the user's optimizer during fit.
+SYNCS = "_tf_adasum_syncs"
+
+
+def check_positive_integer(name: str, value: Any) -> int:
+    """Returns value if it is a positive int (not a bool), else raises ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_sync_every(sync_every: Any) -> int:
+    """The one check of `sync_every` for AdasumOptimizer, AdasumStrategy and AdasumCallback."""
+    return check_positive_integer("sync_every", sync_every)
+
+
+class SyncStats:
+    """Per variable, at the last sync: the sum over every replica of |d_i|^2, and |adasum(d_1..d_n)|^2.
+
+    Their ratio is the orthogonality OrthogonalityMonitor reports: 1 when the replicas' updates were
+    orthogonal (Adasum adds them), 1/n when they were equal (Adasum returns one of them). Recorded only
+    while a monitor asks (enable_sync_stats), at the cost of one norm pass over each delta and over the
+    result, and across processes one all-reduce of one float64 per variable; the updates are not
+    reduced a second time.
+    """
+
+    def __init__(self, variables: list[Any]) -> None:
+        n = len(variables)
+        self.names = [variable_name(v) for v in variables]
+        # Created under the model's strategy: assigned once per sync, in cross-replica context.
+        self.deltas_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_deltas_sq")
+        self.combined_sq = tf.Variable(tf.zeros([n], tf.float64), trainable=False, name="adasum_combined_sq")
+        self.syncs = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="adasum_syncs")
+
+    def record(self, deltas_sq: tf.Tensor, combined_sq: tf.Tensor) -> None:
+        self.deltas_sq.assign(deltas_sq)
+        self.combined_sq.assign(combined_sq)
+        self.syncs.assign_add(1)
+
+
+_STATS: weakref.WeakKeyDictionary[Any, SyncStats] = weakref.WeakKeyDictionary()
+
+
+def enable_sync_stats(optimizer: Any, stats: SyncStats | None) -> None:
+    """Makes the syncs of `optimizer` (an AdasumOptimizer, or one AdasumCallback extends) record stats.
+
+    Takes effect in train functions traced from now on; None stops the recording.
+    """
+    if stats is None:
+        _STATS.pop(optimizer, None)
+    else:
+        _STATS[optimizer] = stats
+
+
+def sync_stats(optimizer: Any) -> SyncStats | None:
+    return _STATS.get(optimizer)
+
+
+def sync_deltas(
+    distribution: tf.distribute.Strategy,
+    variables: list[Any],
+    anchors: list[Any],
+    compression: str = "none",
+    stats: SyncStats | None = None,
+) -> tf.Tensor:
+    """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
+
+    The deltas since the last sync are combined with the contract tree over every replica of every
+    process (distributed.allreduce_replicas); every replica and every process then holds the same
+    weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
+    records the squared norms OrthogonalityMonitor reads.
+    """
+    per_variable = [replica_values(v) for v in variables]
+    anchor_values = [replica_values(a)[0] for a in anchors]
+    replicas = len(per_variable[0]) if per_variable else 0
+    per_replica = [
+        [tf.identity(values[r]) - anchor for values, anchor in zip(per_variable, anchor_values, strict=True)]
+        for r in range(replicas)
+    ]
+    names = [variable_name(v) for v in variables]
+    delta = distributed.allreduce_replicas(per_replica, names, compression)
+    deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
+    if distributed.init().size > 1:
+        if deltas_sq is not None:
+            deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
+    if stats is not None:
+        stats.record(deltas_sq, squared_norms(delta))
+    for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
+        synced = anchor_value + d
+        for target in (variable, anchor):
+            distribution.extended.update(
+                tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
+            )
+    return tf.constant(True)
+
+
+def sync_if_due(
+    distribution: tf.distribute.Strategy,
+    variables: list[Any],
+    anchors: list[Any],
+    iterations: Any,
+    sync_every: int,
+    compression: str = "none",
+    stats: SyncStats | None = None,
+) -> None:
+    """sync_deltas after every `sync_every`-th optimizer step (`iterations`, already incremented)."""
+    # In cross-replica context: a cond here may contain the collectives of the sync.
+    if sync_every == 1:
+        sync_deltas(distribution, variables, anchors, compression, stats)
+        return
+    due = tf.equal(tf.math.floormod(iterations, sync_every), 0)
+    tf.cond(
+        due,
+        lambda: sync_deltas(distribution, variables, anchors, compression, stats),
+        lambda: tf.constant(False),
+    )
+
+
+def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
+    """True when the gradients were finite on every replica of every process (a boolean scalar).
+
+    Mixed precision's LossScaleOptimizer asks this (see _compat.install_global_loss_scale_finiteness)
+    when it wraps a tf_adasum optimizer, whose replicas keep their own gradients: a step is skipped
+    everywhere, and the loss scale halved everywhere, when any replica overflowed. Across processes
+    the answer travels in the agreement collective (kind LOSS_SCALE), so a rank that has ended its
+    epoch meets it and both raise UnevenDataError instead of waiting.
+    """
+    finite = tf.convert_to_tensor(finite)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        overflowed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+        )
+        finite = tf.equal(overflowed, 0.0)
+    comm = distributed.init()
+    if comm.size == 1:
+        return finite
+    # (LOSS_SCALE, 1) marks this rank's overflow; (LOSS_SCALE, 0) its finite gradients.
+    code = tf.where(finite, tf.constant(0, tf.int64), tf.constant(1, tf.int64))
+    table = agreement.agree(comm, agreement.LOSS_SCALE, code, "mixed-precision finiteness check")
+    return tf.reduce_all(tf.equal(table[:, 1], 0))
+
+
+def extended_by_callback(optimizer: Any) -> bool:
+    """Whether AdasumCallback has extended this optimizer's apply with the sync (during fit)."""
+    return getattr(vars(optimizer).get("apply"), SYNCS, False)
+
+
+def syncs(optimizer: Any) -> bool:
+    """Whether this optimizer's step ends in a sync across replicas or processes: a tf_adasum wrapper
+    (AdasumOptimizer, AllreduceOptimizer), or an optimizer AdasumCallback extended."""
+    return optimizer is not None and (
+        getattr(type(optimizer), SYNCS, False) or extended_by_callback(optimizer)
+    )
+
+
+def without_xla(model: Any) -> None:
+    """Turns XLA off for a model whose train step syncs with tf_adasum, with a warning.
+
+    Keras compiles the train step with XLA by default on a GPU host without a strategy (AdasumCallback,
+    tf_adasum.keras); XLA has no kernels for tf_adasum's ops, the MPI engine's host calls or its
+    collectives, so the first step would fail to compile. Called when Keras makes a train function
+    (_compat.install_step_hooks).
+    """
+    optimizer = _compat.loss_scale_inner(getattr(model, "optimizer", None))
+    if optimizer is None or not getattr(model, "jit_compile", False):
+        return
+    if syncs(optimizer):
+        warnings.warn(
+            "tf_adasum: compiling this model's train step without XLA (jit_compile=False): XLA cannot "
+            "compile tf_adasum's ops and collectives",
+            stacklevel=4,
+        )
+        model.jit_compile = False
