@@ -1,0 +1,164 @@
+"""The package's import graph runs down: every module imports only modules on lower floors, so there is
+no circle. Imports inside functions count too: a lazy import is still a dependency, and lazy imports
+are how the last circle (optimizer <-> callbacks, through _compat) crept in unnoticed.
+
+FLOORS is the declared order, bottom first; docs/design.md shows the same floors with each module's job.
+A new module goes on a floor here, or this test fails naming it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
+
+FLOORS: list[list[str]] = [
+    # leaves: nothing of tf_adasum
+    ["errors", "compression", "variables", "ops", "_quiet", "run", "comm"],
+    # Keras and TensorFlow internals, tensor lists
+    ["_compat", "tensor_lists"],
+    # the communicator interface, buffers, the contract tree
+    ["comm.base", "fusion", "tree"],
+    ["comm.mpi", "comm.tf_collective"],
+    # what ranks check before data moves; the algorithms on one buffer
+    ["agreement", "vhdd"],
+    # Adasum across processes; this process's engine
+    ["across_processes", "engine"],
+    # the public collectives
+    ["distributed"],
+    # Keras state shared by processes; the one model sync
+    ["shared_state", "sync"],
+    # the optimizer wrappers
+    ["optimizer"],
+    # the entry points
+    ["callbacks", "strategy"],
+    # the Horovod face, which offers the callbacks too
+    ["keras"],
+    # the public face, the one place that patches Keras
+    ["__init__"],
+    ["demo"],
+]
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]  # a subpackage's __init__ is the subpackage
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of a module of the package in `path`, at any depth."""
+    modules = {module_name(p, package) for p in package.rglob("*.py")}
+    top = package.name
+
+    def resolve(name: str) -> str | None:
+        if name != top and not name.startswith(f"{top}."):
+            return None
+        inner = name[len(top) + 1 :] or "__init__"
+        return inner if inner in modules else None
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [resolve(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            # `from tf_adasum import ops` imports the module tf_adasum.ops; `from tf_adasum import
+            # HookError` a name of the package's face, tf_adasum/__init__.py.
+            targets = [resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names]
+        else:
+            continue
+        found |= {(node.lineno, target) for target in targets if target is not None}
+    return sorted(found)
+
+
+def import_graph(package: Path) -> dict[str, list[tuple[int, str]]]:
+    """Every module of the package (dotted, relative to it) and what it imports of the package."""
+    graph = {}
+    for path in sorted(package.rglob("*.py")):
+        name = module_name(path, package)
+        graph[name] = [(line, m) for line, m in imports_of(path, package) if m != name]
+    return graph
+
+
+def problems(graph: dict[str, list[tuple[int, str]]], floors: list[list[str]]) -> list[str]:
+    """Every import that runs sideways or up the declared floors, every module not on a floor, and
+    every circle."""
+    floor = {module: i for i, modules in enumerate(floors) for module in modules}
+    found = [f"{m} is on no floor of FLOORS: place it" for m in graph if m not in floor]
+    for module, imported in graph.items():
+        for line, target in imported:
+            if module in floor and target in floor and floor[target] >= floor[module]:
+                direction = "up" if floor[target] > floor[module] else "sideways"
+                found.append(
+                    f"{module}.py:{line} imports {target}, which runs {direction} "
+                    f"(floor {floor[module]} -> floor {floor[target]})"
+                )
+    found += ["circle: " + " -> ".join(circle) for circle in circles(graph)]
+    return found
+
+
+def circles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """The import circles, each once, as module paths that end where they start."""
+    edges = {m: sorted({t for _, t in targets if t in graph}) for m, targets in graph.items()}
+    found, seen = [], set()
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in edges[module]:
+            if state.get(target) == 1:
+                circle = [*stack[stack.index(target) :], target]
+                key = frozenset(circle)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(circle)
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_every_import_in_the_package_runs_down() -> None:
+    found = problems(import_graph(PACKAGE), FLOORS)
+    assert not found, "\n".join(found)
+
+
+def test_the_check_finds_an_upward_import_a_sideways_one_and_a_circle(tmp_path: Path) -> None:
+    package = tmp_path / "tf_adasum"
+    (package / "comm").mkdir(parents=True)
+    (package / "__init__.py").write_text("from tf_adasum import low\n")
+    (package / "comm" / "__init__.py").write_text("")
+    (package / "comm" / "base.py").write_text("import tf_adasum.low\n")
+    (package / "low.py").write_text("def later():\n    from tf_adasum.high import x\n")
+    (package / "high.py").write_text("from tf_adasum import low, peer\nx = 1\n")
+    (package / "peer.py").write_text("from tf_adasum.comm.base import y\n")
+    (package / "stray.py").write_text("")
+    graph = import_graph(package)
+    assert graph["low"] == [(2, "high")]  # found inside a function
+    assert graph["comm.base"] == [(1, "low")]
+    floors = [["comm", "low"], ["comm.base", "high", "peer"], ["__init__"]]
+    found = problems(graph, floors)
+    assert "stray is on no floor of FLOORS: place it" in found
+    assert "low.py:2 imports high, which runs up (floor 0 -> floor 1)" in found
+    assert "high.py:1 imports peer, which runs sideways (floor 1 -> floor 1)" in found
+    assert "peer.py:1 imports comm.base, which runs sideways (floor 1 -> floor 1)" in found
+    assert "circle: low -> high -> low" in found
+    assert "circle: low -> high -> peer -> comm.base -> low" in found
+    assert len(found) == 6, found
+
+
+@pytest.mark.parametrize("module", ["sync", "shared_state", "across_processes", "fusion", "engine"])
+def test_each_module_says_its_one_job_first(module: str) -> None:
+    docstring = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
+    assert docstring and len(docstring.splitlines()[0]) <= 110, docstring
