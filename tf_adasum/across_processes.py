@@ -76,9 +76,8 @@ def adasum(
             chosen.on_host(comm, group.view, group.starts, host_threads(comm))  # in the tensor's memory
             combined = buffer
         elif isinstance(comm, HostCommunicator):  # eagerly, where TensorFlow gives no writable view
-            combined = tf.numpy_function(
-                _host_body(comm, group.starts, chosen), [buffer], buffer.dtype, stateful=True
-            )
+            body = _host_body(comm, group.starts, chosen)
+            combined = comm.host_call(body, [buffer], [buffer.dtype], [buffer.shape])[0]
         else:
             combined = chosen.on_tensors(comm, buffer, group.starts)
         for i, tensor in zip(index, group.unfuse(combined), strict=True):
@@ -87,12 +86,12 @@ def adasum(
 
 
 def _host_body(comm: HostCommunicator, starts: Sequence[int], chosen: Algorithm) -> Any:
-    """The host algorithm as a numpy_function body: on a writable copy of its input."""
+    """The host algorithm as a host call's body: on a writable copy of its input."""
 
-    def run(x: np.ndarray) -> np.ndarray:
+    def run(x: np.ndarray) -> list[np.ndarray]:
         buf = np.array(x)
         chosen.on_host(comm, buf, starts, host_threads(comm))
-        return buf
+        return [buf]
 
     return run
 
@@ -126,12 +125,10 @@ def _host_graph(
 
     inputs = [tensors[i] for index in indices for i in index]
     dtypes = [tensors[index[0]].dtype for index in indices]
-    combined = tf.numpy_function(run, inputs, dtypes, stateful=True)
-    if not dtypes:  # nothing to combine, but the agreement still runs: tf.function runs stateful ops
-        return []
+    # With nothing to combine the agreement still runs: the host call writes the ordering token.
+    combined = comm.host_call(run, inputs, dtypes, [[int(starts[-1])] for _, starts, _ in layouts])
     out: list[Any] = [None] * len(tensors)
     for index, buffer, (_, starts, pads) in zip(indices, combined, layouts, strict=True):
-        buffer.set_shape([int(starts[-1])])
         shapes = [tensors[i].shape for i in index]
         for i, tensor in zip(index, fusion.unfuse(buffer, starts.tolist(), pads, shapes), strict=True):
             out[i] = tensor
@@ -150,14 +147,12 @@ def _allgather(comm: Communicator, buffer: tf.Tensor) -> tf.Tensor:
             comm.allgather_host(np.asarray(buffer), view, "adasum gather")
             return out
 
-    def run(x: np.ndarray) -> np.ndarray:
+    def run(x: np.ndarray) -> list[np.ndarray]:
         rows = np.empty(shape, x.dtype)
         comm.allgather_host(x, rows, "adasum gather")
-        return rows
+        return [rows]
 
-    gathered = tf.numpy_function(run, [buffer], buffer.dtype, stateful=True)
-    gathered.set_shape(shape)
-    return gathered
+    return comm.host_call(run, [buffer], [buffer.dtype], [shape])[0]
 
 
 def _finite(x: tf.Tensor, what: str) -> tf.Tensor:

@@ -9,6 +9,8 @@ waiting in the middle of the algorithm until the timeout. So each sync starts wi
     (SYNC, i, m)        ready, but tensor i of the update holds NaN or Inf
     (EPOCH_END, n, 0)   this rank finished its epoch after n batches
     (LOSS_SCALE, f, 0)  mixed precision, before a step: f = 1 if this rank's gradients overflowed
+    (ALLREDUCE | BROADCAST | ALLGATHER | OBJECTS, root, m)
+                        on a host transport (MPI), before each collective: which one, its root, its tensors
 
 A rank at a sync and a rank at an epoch end meet in the same collective, so both see the mismatch; so
 do ranks at two different kinds of check, which would otherwise pair two different steps.
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tf_adasum import ops
-from tf_adasum.comm.base import Communicator
+from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.errors import NonFiniteUpdateError, UnevenDataError
 from tf_adasum.tensor_lists import (
     check_replicas_match,
@@ -40,8 +43,27 @@ from tf_adasum.tensor_lists import (
 )
 
 SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
+# The collectives a host transport announces (announce): MPI matches collectives by order alone, so a
+# rank at one and a rank at another would exchange mismatched messages (MPI_ERR_TRUNCATE, a crash).
+ALLREDUCE, BROADCAST, ALLGATHER, OBJECTS = 3, 4, 5, 6
+COLLECTIVES = (ALLREDUCE, BROADCAST, ALLGATHER, OBJECTS)
 
-_KINDS = {SYNC: "a model sync", EPOCH_END: "an epoch end", LOSS_SCALE: "a mixed-precision check"}
+_KINDS = {
+    SYNC: "a model sync",
+    EPOCH_END: "an epoch end",
+    LOSS_SCALE: "a mixed-precision check",
+    ALLREDUCE: "an all-reduce",
+    BROADCAST: "a broadcast",
+    ALLGATHER: "an all-gather",
+    OBJECTS: "a metadata exchange",
+}
+
+
+def describe_check(kind: int, value: int) -> str:
+    """What a rank's codes say it is at: 'a model sync', 'a broadcast from rank 0', ..."""
+    if kind == BROADCAST:
+        return f"a broadcast from rank {value}"
+    return _KINDS.get(kind, f"an unknown check {kind}")
 
 
 class MetadataDiffers(ValueError):
@@ -100,14 +122,19 @@ def raise_unless_agreed(table: np.ndarray, count: int = 0, names: Sequence[str] 
                 f"{UNEVEN_DATA_ADVICE}"
             )
         return
-    if len(set(kinds.tolist())) > 1:
-        at = per_rank([_KINDS.get(int(k), k) for k in kinds])
-        raise RuntimeError(f"the ranks are at different checks ({at}): their steps no longer match")
+    if len(set(kinds.tolist())) > 1 or (kinds[0] == BROADCAST and len(set(values.tolist())) > 1):
+        at = per_rank([describe_check(int(k), int(v)) for k, v in zip(kinds, values, strict=True)])
+        raise RuntimeError(
+            f"the ranks are at different checks ({at}): their steps no longer match. Every rank must issue "
+            "the same collectives in the same order"
+        )
     if kinds[0] == LOSS_SCALE:
         return
     if table.shape[1] > 2 and len(set(table[:, 2].tolist())) > 1:
         prints = per_rank([f"{int(m):#x}" for m in table[:, 2]])
         raise MetadataDiffers(f"the ranks' tensors differ in count, shape or dtype (fingerprints {prints})")
+    if kinds[0] in COLLECTIVES:
+        return
     bad = [(r, int(v)) for r, v in enumerate(values) if v >= 0]
     if bad:
         where = "; ".join(f"rank {r}: {describe_tensor(i, count, names)}" for r, i in bad)
@@ -199,12 +226,23 @@ def first_nonfinite_in_replicas(per_replica: Sequence[Sequence[tf.Tensor]]) -> t
 def check_same_on_all_ranks(
     comm: Communicator, tensors: Sequence[tf.Tensor], what: str, names: Sequence[str] | None = None
 ) -> None:
-    """Raises ValueError on every rank if some rank's tensors differ in count, shape or dtype from rank 0's.
+    """Raises on every rank if the ranks are at different collectives, or if some rank's tensors differ in
+    count, shape or dtype from rank 0's.
 
     Runs before any data moves. Inside tf.function it runs once, when the function is traced.
+
+    Raises:
+        RuntimeError: the ranks called different collectives (`what` differs), naming each rank's.
+        ValueError: the same collective with different tensors, naming the tensor and the ranks.
     """
-    everyone = comm.allgather_object(tensor_specs(tensors), f"{what} metadata check")
-    mismatch = first_mismatch(everyone, "rank", names)
+    everyone = gather_objects(comm, (what, tensor_specs(tensors)), f"{what} metadata check")
+    called = [w for w, _ in everyone]
+    if len(set(called)) > 1:
+        raise RuntimeError(
+            f"the ranks called different collectives ({per_rank(called)}): every rank must issue the same "
+            "collectives in the same order"
+        )
+    mismatch = first_mismatch([specs for _, specs in everyone], "rank", names)
     if mismatch is not None:
         raise ValueError(f"{what}: {mismatch}")
 
@@ -230,7 +268,7 @@ def check_replicas_everywhere(
     except (ValueError, TypeError) as error:
         problem = (type(error).__name__, str(error))
     specs = tensor_specs(local[0]) if local else []
-    everyone = comm.allgather_object((len(local), specs, problem), "Adasum metadata check")
+    everyone = gather_objects(comm, (len(local), specs, problem), "Adasum metadata check")
     for rank, (_, _, found) in enumerate(everyone):
         if found is not None:
             kind = TypeError if found[0] == "TypeError" else ValueError
@@ -239,3 +277,35 @@ def check_replicas_everywhere(
     if mismatch is not None:
         raise ValueError(f"allreduce(op=Adasum): {mismatch}")
     return [count for count, _, _ in everyone]
+
+
+def announce(
+    comm: Communicator, kind: int, tensors: Sequence[tf.Tensor], what: str, value: int = 0
+) -> list[tf.Tensor]:
+    """Before a collective on a host transport: every rank checks that all are at the same collective
+    (`kind`, and `value`: a broadcast's root) with the same tensors, and raises naming each rank's if not.
+
+    Other engines match collectives by key and check their type and shape in their own runtime, so
+    this is a no-op there. Returns the tensors, which inside a tf.function then move only after the
+    check.
+
+    Raises:
+        RuntimeError: the ranks are at different collectives (every rank raises, naming all of them).
+        MetadataDiffers: the same collective, with different tensors (the caller says how they differ).
+        UnevenDataError: some rank has ended its epoch instead.
+    """
+    if comm.size == 1 or not isinstance(comm, HostCommunicator):
+        return list(tensors)
+    checked = agree(comm, kind, value, what, metadata=fingerprint(tensors))
+    if tf.executing_eagerly():
+        return list(tensors)
+    with tf.control_dependencies([checked]):
+        return [tf.identity(t) for t in tensors]
+
+
+def gather_objects(comm: Communicator, obj: Any, what: str) -> list[Any]:
+    """comm.allgather_object, announced first. Objects are gathered when Python runs (also while a
+    tf.function is traced), so the announcement runs then too."""
+    with tf.init_scope():
+        announce(comm, OBJECTS, [], what)
+    return comm.allgather_object(obj, what)

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import _compat, distributed, sync
+from tf_adasum import _compat, agreement, distributed, sync
 from tf_adasum.shared_state import (
     agree_at_epoch_end,
     average_logs,
@@ -388,7 +388,9 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
         if comm.size > 1:
             # The recording adds a collective to every sync: a process without a monitor would not join
             # it. Meeting here first turns that into an error at train begin, naming the missing rank.
-            comm.allgather_object("monitor", "OrthogonalityMonitor start (add the monitor on every process)")
+            agreement.gather_objects(
+                comm, "monitor", "OrthogonalityMonitor start (add the monitor on every process)"
+            )
         self._optimizer = _compat.loss_scale_inner(model.optimizer)
         with model.distribute_strategy.scope():
             self._stats = sync.SyncStats(list(model.trainable_variables))

@@ -12,7 +12,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import across_processes, agreement, ops
+from tf_adasum import across_processes, agreement, fusion, ops
+from tf_adasum.comm.base import Communicator
 from tf_adasum.compression import narrowed, widened
 from tf_adasum.engine import (
     ENGINES,
@@ -28,6 +29,7 @@ from tf_adasum.engine import (
     shutdown,
     size,
 )
+from tf_adasum.tensor_lists import indices_by_dtype
 from tf_adasum.tree import adasum_tree
 
 __all__ = [
@@ -108,7 +110,7 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
         out = across_processes.adasum(comm, items, names)
     else:
         agreement.check_same_on_all_ranks(comm, items, what, names)
-        out = [comm.allreduce_sum(t) for t in items]
+        out = _fused(comm, items, lambda buffer: comm.allreduce_sum(buffer), agreement.ALLREDUCE, what)
         if op is Average:
             out = [t / comm.size if t.dtype.is_floating else t // comm.size for t in out]
     return out[0] if single else out
@@ -175,6 +177,38 @@ def broadcast(tensors: Any, root: int = 0) -> Any:
     """Root's tensors on every rank, in the structure of `tensors`."""
     comm = init()
     items, single = ops.as_tensor_list("broadcast", tensors)
+    if not 0 <= root < comm.size:
+        raise ValueError(f"root rank {root} is not a rank of this job of {comm.size} processes")
     agreement.check_same_on_all_ranks(comm, items, "broadcast")
-    out = [comm.broadcast(t, root) for t in items]
+    out = _fused(
+        comm, items, lambda buffer: comm.broadcast(buffer, root), agreement.BROADCAST, "broadcast", root
+    )
     return out[0] if single else out
+
+
+def _fused(
+    comm: Communicator,
+    items: Sequence[tf.Tensor],
+    collective: Any,
+    kind: int,
+    what: str,
+    value: int = 0,
+) -> list[tf.Tensor]:
+    """collective(buffer) on one fused buffer per dtype, each announced (agreement.announce): one
+    collective for a model's variables or gradients instead of one per tensor. A tensor whose shape is
+    known only when the graph runs travels alone."""
+    if comm.size == 1:
+        return list(items)
+    out: list[Any] = [None] * len(items)
+    known = [i for i, t in enumerate(items) if t.shape.is_fully_defined()]
+    groups = [[known[j] for j in index] for index in indices_by_dtype([items[i] for i in known])]
+    for index in groups + [[i] for i in range(len(items)) if i not in set(known)]:
+        if len(index) == 1:
+            (tensor,) = agreement.announce(comm, kind, [items[index[0]]], what, value)
+            out[index[0]] = collective(tensor)
+            continue
+        fused = fusion.fuse(items, index)
+        (buffer,) = agreement.announce(comm, kind, [fused.buffer], what, value)
+        for i, tensor in zip(index, fused.unfuse(collective(buffer)), strict=True):
+            out[i] = tensor
+    return out

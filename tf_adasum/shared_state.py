@@ -55,7 +55,9 @@ def broadcast_model_and_optimizer(model: keras.Model, root: int) -> None:
     optimizer = model.optimizer
     if optimizer is None or not optimizer.built:
         return
-    steps = distributed.init().allgather_object(int(optimizer.iterations.numpy()), "optimizer step check")
+    steps = agreement.gather_objects(
+        distributed.init(), int(optimizer.iterations.numpy()), "optimizer step check"
+    )
     if not any(steps):
         broadcast_variables(optimizer.variables, root)
     elif len(set(steps)) > 1:
@@ -126,7 +128,7 @@ def check_equal_steps(params: dict[str, Any]) -> None:
     comm = distributed.init()
     if comm.size == 1:
         return
-    steps = comm.allgather_object(params.get("steps"), "steps-per-epoch check")
+    steps = agreement.gather_objects(comm, params.get("steps"), "steps-per-epoch check")
     if any(s is not None for s in steps) and len(set(steps)) > 1:
         raise UnevenDataError(
             f"the ranks would run different numbers of batches per epoch ({agreement.per_rank(steps)}): "

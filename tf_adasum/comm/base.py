@@ -9,7 +9,7 @@ memory kind (vhdd.py), on tensors for every engine and on host buffers for these
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,7 +85,22 @@ class HostCommunicator(Communicator):
     The distributed algorithms run on one numpy buffer per dtype through these (vhdd.vhdd_host,
     vhdd.gather_host), and a compiled sync is then one host call (across_processes). Each method is
     collective over the ranks it names, like Communicator's.
+
+    Such a transport matches collectives by their order alone: inside a graph, host_call keeps this
+    process's host calls in program order, and agreement.announce checks before each collective that
+    every rank is at the same one.
     """
+
+    @abc.abstractmethod
+    def host_call(
+        self,
+        fn: Callable[..., Sequence[np.ndarray]],
+        inputs: Sequence[tf.Tensor],
+        dtypes: Sequence[tf.DType],
+        shapes: Sequence[Any],
+    ) -> list[tf.Tensor]:
+        """fn(*inputs as numpy arrays) -> its outputs as tensors, eagerly or as one host call in a
+        graph, after this process's previous host call and before its next (program order)."""
 
     @abc.abstractmethod
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:

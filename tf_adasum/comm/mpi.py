@@ -1,7 +1,8 @@
 """The MPI engine, through mpi4py: processes started by `mpirun` or `horovodrun` (MPI mode).
 
 Every wait is a non-blocking MPI call polled against a deadline, so a dead or absent peer gives a
-PeerError that names it instead of a hang.
+PeerError that names it instead of a hang. Inside a tf.function every host call (each collective is
+one) runs in program order, whatever TensorFlow's executor schedules: see host_call.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class MPICommunicator(HostCommunicator):
         local.Free()
         cross.Free()
         self._groups: dict[tuple[int, ...], Any] = {}
+        # The ordering token of host calls in graphs (host_call). Created here, eagerly and once, so that
+        # every tf.function of this process captures the same variable.
+        with tf.init_scope():
+            self._token = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tf_adasum_host_calls")
         # Payload bytes this rank has sent in exchanges and block sums, the Adasum traffic. Only
         # benchmarks/bench_allreduce.py reads it, for its cost table (MPI's own collectives may move
         # more for the block sums).
@@ -96,16 +101,44 @@ class MPICommunicator(HostCommunicator):
     def _wait(self, requests: list[Any], what: str, peers: str) -> None:
         self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers)
 
+    def host_call(
+        self,
+        fn: Callable[..., Sequence[np.ndarray]],
+        inputs: Sequence[tf.Tensor],
+        dtypes: Sequence[tf.DType],
+        shapes: Sequence[Any],
+    ) -> list[tf.Tensor]:
+        """Runs fn(*inputs as numpy) -> outputs: directly when eager; in a graph, as one stateful host call
+        that runs after this process's previous host call and before its next, in program order.
+
+        MPI matches collectives by their order alone, so every rank must issue them in the same order.
+        tf.function chains stateful ops that take no resource with control edges, but Grappler's
+        dependency optimizer drops those edges between host calls: a step that all-reduced gradients and
+        then broadcast variables ran the two on different threads, in different orders on two ranks,
+        and failed with MPI_ERR_TRUNCATE in about one run of three. So each host call takes the value of
+        a token variable as an input and writes the next value from its output: reads and writes of one
+        variable keep their program order in every graph, nested functions and control flow included.
+        """
+        if tf.executing_eagerly():
+            # np.asarray shares the tensor's memory; .numpy() would copy it. The functions only read it.
+            return [tf.convert_to_tensor(out) for out in fn(*[np.asarray(t) for t in inputs])]
+
+        def run(step: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+            return [*fn(*arrays), np.asarray(step + 1, np.int64)]
+
+        *outs, step = tf.numpy_function(
+            run, [self._token.read_value(), *inputs], [*dtypes, tf.int64], stateful=True
+        )
+        self._token.assign(step)
+        for out, shape in zip(outs, shapes, strict=True):
+            out.set_shape(shape)
+        return outs
+
     def _host(
         self, fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType, shape: Any
     ) -> tf.Tensor:
-        """Runs fn on numpy arrays: directly when eager, as a stateful numpy_function in a graph."""
-        if tf.executing_eagerly():
-            # np.asarray shares the tensor's memory; .numpy() would copy it. The functions only read it.
-            return tf.convert_to_tensor(fn(*[np.asarray(t) for t in inputs]))
-        out = tf.numpy_function(fn, inputs, dtype, stateful=True)
-        out.set_shape(shape)
-        return out
+        """host_call of a function with one output."""
+        return self.host_call(lambda *arrays: [fn(*arrays)], inputs, [dtype], [shape])[0]
 
     @staticmethod
     def _bytes(array: np.ndarray) -> list[Any]:
