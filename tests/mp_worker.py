@@ -187,6 +187,9 @@ def fit(out: Path) -> None:
     model = build_linear(
         tf.distribute.get_strategy(), lambda: tf_adasum.AdasumOptimizer(make_inner("sgd_momentum"))
     )
+    # Every rank but 0 starts elsewhere: the optimizer must broadcast rank 0's weights before the first
+    # step's gradient (Keras builds it only while it traces that step).
+    model.set_weights([w + comm.rank for w in model.get_weights()])
     model.fit(x[mine], y[mine], batch_size=local, shuffle=False, verbose=0)
     assert isinstance(model.optimizer.inner, keras.optimizers.SGD)
     np.savez(out / f"fit{comm.rank}.npz", *model.get_weights())

@@ -19,8 +19,12 @@ replica's batch.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import threading
 import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -181,6 +185,16 @@ class _ReplicaStateCheckpoint(tf.train.experimental.PythonState):
             self._state.spread([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
 
 
+# Each AdasumOptimizer by the optimizer it wraps; and, per thread, those inside their local step. A
+# strategy.run loop under AdasumStrategy steps a plain optimizer through its AdasumOptimizer
+# (strategy.adasum_for), which steps the plain one: that inner step must not be sent round again.
+_WRAPPERS: weakref.WeakKeyDictionary[Any, AdasumOptimizer] = weakref.WeakKeyDictionary()
+_STEPPING = threading.local()
+# AdasumOptimizers built before their model's variables had values, each with its flag: False until its
+# first step has broadcast the weights and taken the anchors (_anchor_at_the_first_step).
+_ANCHORED: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
+
+
 @keras.saving.register_keras_serializable(package="tf_adasum")
 class AdasumOptimizer(WrappedOptimizer):
     """Wraps a Keras optimizer so that replicas step locally and their deltas are combined with Adasum.
@@ -218,6 +232,7 @@ class AdasumOptimizer(WrappedOptimizer):
         self.compression = check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
         _compat.disable_gradient_sum(inner)
+        _WRAPPERS[inner] = self
         self._replica_state = ReplicaState(self)
         # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
         self.replica_state = _ReplicaStateCheckpoint(self._replica_state)
@@ -233,19 +248,58 @@ class AdasumOptimizer(WrappedOptimizer):
                     f"{type(current).__name__}: create the model and its optimizer "
                     "inside the same strategy.scope()"
                 )
-        # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
-        # broadcast callback arrange; otherwise each would keep its own random initialisation.
-        broadcast_variables(var_list, self.root)
+        later = self in _ANCHORED  # the model's variables have no values yet: start at the first step
+        if not later:
+            # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
+            # broadcast callback arrange; otherwise each would keep its own random initialisation.
+            broadcast_variables(var_list, self.root)
         self.inner_optimizer.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
             self._replica_state.spread(stacked)
         # The weights as of the last sync; deltas are measured from here.
         self._anchors = [
-            self.add_variable_from_reference(v, name="adasum_anchor", initializer=_initializer_copying(v))
+            self.add_variable_from_reference(
+                v, name="adasum_anchor", initializer="zeros" if later else _initializer_copying(v)
+            )
             for v in var_list
         ]
         super().build(var_list)
+
+    def _build_at_the_first_step(self, var_list: list[Any]) -> None:
+        """build() at the first step: in a custom loop, or in fit without a strategy, where Keras builds
+        the optimizer only while it traces the train step.
+
+        Eagerly, out of the traced step, in the strategy's cross-replica context: Keras 3 cannot create
+        a stateful optimizer's slots inside a traced step under a strategy (keras-team/keras#23085), and
+        inside it tf.function would run the anchors' initializers ahead of the step, so before the
+        broadcast, and then run its second trace, without build(), for the first call. Where the model's
+        own variables are created in this very trace they have no values yet: the broadcast and the
+        anchors then wait for the first step that runs (_anchor_at_the_first_step).
+        """
+
+        def build_in_cross_replica_context(strategy: Any) -> None:
+            with tf.init_scope():
+                if self.built:  # another replica's thread, or a retrace, got here first
+                    return
+                if not all(bool(tf_variable(v).is_initialized()) for v in var_list):
+                    _ANCHORED[self] = tf.Variable(False, trainable=False, name="adasum_anchored")
+                self.build(var_list)
+
+        tf.distribute.get_replica_context().merge_call(build_in_cross_replica_context)
+
+    def _anchor_at_the_first_step(self, distribution: Any, variables: list[Any], anchors: list[Any]) -> None:
+        """The first step that runs broadcasts root's weights and takes the anchors from them (once)."""
+        anchored = _ANCHORED[self]
+
+        def anchor() -> tf.Tensor:
+            broadcast_variables(variables, self.root)
+            for target, variable in zip(anchors, variables, strict=True):
+                tf_variable(target).assign(tf_variable(variable))
+            anchored.assign(True)
+            return tf.constant(True)
+
+        tf.cond(anchored, lambda: tf.constant(False), anchor)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         context = tf.distribute.get_replica_context()
@@ -254,16 +308,21 @@ class AdasumOptimizer(WrappedOptimizer):
                 "AdasumOptimizer.apply must run in a replica context (model.fit or strategy.run)"
             )
         if not self.built:
-            self.build(list(trainable_variables) if trainable_variables is not None else [])
+            self._build_at_the_first_step(
+                list(trainable_variables) if trainable_variables is not None else []
+            )
         replicas = context.num_replicas_in_sync
         grads = [None if g is None else _dense(g) for g in grads]
         if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
             grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
-        self.inner_optimizer.apply(grads, trainable_variables)
         variables = (
             list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         )
         anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
+        if self in _ANCHORED:
+            context.merge_call(self._anchor_at_the_first_step, args=(variables, anchors))
+        with self._stepping():
+            self.inner_optimizer.apply(grads, trainable_variables)
         context.merge_call(
             sync.sync_if_due,
             args=(
@@ -275,6 +334,24 @@ class AdasumOptimizer(WrappedOptimizer):
                 sync.sync_stats(self),
             ),
         )
+
+    @classmethod
+    def wrapping(cls, optimizer: Any) -> AdasumOptimizer | None:
+        """The AdasumOptimizer whose inner optimizer `optimizer` is, if any."""
+        return _WRAPPERS.get(optimizer)
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        steps = _STEPPING.__dict__.setdefault("optimizers", set())
+        steps.add(id(self))
+        try:
+            yield
+        finally:
+            steps.discard(id(self))
+
+    def is_stepping(self) -> bool:
+        """Whether this thread is inside this optimizer's local step (its inner optimizer's apply)."""
+        return id(self) in _STEPPING.__dict__.get("optimizers", ())
 
     _REPLICA_KEY = "replicas_of_inner_"
 
