@@ -13,6 +13,7 @@ import tomllib
 from keras.src import optimizers as keras_optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as keras_trainer
 from tensorflow.python.data.ops import multi_device_iterator_ops
@@ -38,12 +39,22 @@ def without_the_train_step(self: Any, force: bool = False) -> None:
     self.train_function = None
 
 
+def apply_gradients_of_its_own(self: Any, grads_and_vars: Any) -> None:
+    grads, variables = zip(*grads_and_vars, strict=True)
+    self._backend_update_step(list(grads), list(variables), self.learning_rate)
+
+
 # (hook, what to take away), the way a Keras release could.
 REMOVALS = [
     ("optimizers.get", lambda mp: mp.delattr(keras_trainer, "optimizers")),
     ("optimizers.get", lambda mp: mp.setattr(keras_trainer.Trainer, "compile", without_compile_through_get)),
     ("_all_reduce_sum_gradients", lambda mp: mp.delattr(TFOptimizer, "_all_reduce_sum_gradients")),
     ("_distribution_strategy", lambda mp: mp.setattr(TFOptimizer, "__init__", lambda self, *a, **k: None)),
+    ("Optimizer.apply", lambda mp: mp.setattr(BaseOptimizer, "apply_gradients", apply_gradients_of_its_own)),
+    (
+        "Optimizer.apply",
+        lambda mp: mp.setattr(TFOptimizer, "apply", lambda self, grads, variables=None: None),
+    ),
     ("train_step / test_step", lambda mp: mp.delattr(TensorFlowTrainer, "make_test_function")),
     (
         "train_step / test_step",

@@ -33,9 +33,9 @@ FLOORS: list[list[str]] = [
     ["shared_state", "sync"],
     # the optimizer wrappers
     ["optimizer"],
-    # the entry points
-    ["callbacks", "strategy"],
-    # the Horovod face, which offers the callbacks too
+    # the entry points: callbacks, the strategy, Horovod's TensorFlow face
+    ["callbacks", "strategy", "tensorflow"],
+    # Horovod's Keras face: the TensorFlow face's functions, and the callbacks
     ["keras"],
     # the public face, the one place that patches Keras
     ["__init__"],

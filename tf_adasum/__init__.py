@@ -1,6 +1,6 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3.
 
-This is the public face, and the one place where importing tf_adasum changes Keras: the four
+This is the public face, and the one place where importing tf_adasum changes Keras: the six
 install_* calls below (each hook is described in _compat.py). AdasumStrategy also turns tf.data
 autotuning off on per-device prefetch datasets when it is created (_compat.quiet_per_device_iterators).
 """
@@ -80,6 +80,10 @@ _compat.install_step_hooks(
 )
 # Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
 _compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
+# Under an AdasumStrategy a plain optimizer's step in a strategy.run loop runs as an AdasumOptimizer's,
+# and nothing sums the replicas' gradients.
+_compat.install_optimizer_apply(strategy.adasum_for)
+_compat.install_gradient_sum_guard(strategy.refuse_gradient_mean)
 
 # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
 # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or

@@ -25,7 +25,13 @@ The hooks:
     under an AdasumStrategy's scope becomes an AdasumOptimizer.
 `_all_reduce_sum_gradients`
     TFOptimizer's cross-replica gradient sum, switched off on an AdasumOptimizer's inner optimizer
-    so that each replica steps on its own gradient.
+    so that each replica steps on its own gradient, and guarded everywhere else: under an
+    AdasumStrategy a plain optimizer that reaches it raises instead of averaging
+    (install_gradient_sum_guard).
+`Optimizer.apply`
+    BaseOptimizer.apply, which apply_gradients steps through. Under an AdasumStrategy, a plain Keras
+    optimizer's step in a strategy.run loop (TensorFlow's custom-training tutorial) runs as an
+    AdasumOptimizer's (install_optimizer_apply).
 `_distribution_strategy`
     the strategy an optimizer was created under (read to refuse a build under another one).
 `train_step / test_step`
@@ -116,6 +122,12 @@ def _tf_optimizer() -> Any:
     return TFOptimizer
 
 
+def _base_optimizer() -> Any:
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    return BaseOptimizer
+
+
 def _loss_scale_optimizer() -> Any:
     from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
@@ -141,6 +153,17 @@ def _check_gradient_sum() -> str | None:
         return "TFOptimizer has no _all_reduce_sum_gradients"
     if not _uses(optimizer._backend_update_step, "_all_reduce_sum_gradients"):
         return "TFOptimizer._backend_update_step no longer calls _all_reduce_sum_gradients"
+    return None
+
+
+def _check_apply() -> str | None:
+    base = _base_optimizer()
+    if not callable(getattr(base, "apply", None)):
+        return "Keras's BaseOptimizer has no apply"
+    if not _uses(base.apply_gradients, "apply"):
+        return "BaseOptimizer.apply_gradients no longer steps through apply"
+    if "apply" in vars(_tf_optimizer()):
+        return "TFOptimizer overrides apply"
     return None
 
 
@@ -199,6 +222,11 @@ HOOKS = {
             "_all_reduce_sum_gradients",
             _check_gradient_sum,
             "AdasumOptimizer's inner optimizer would sum gradients across replicas",
+        ),
+        Hook(
+            "Optimizer.apply",
+            _check_apply,
+            "a plain optimizer's step in a strategy.run loop under AdasumStrategy cannot run Adasum",
         ),
         Hook(
             "_distribution_strategy",
@@ -307,6 +335,52 @@ def disable_gradient_sum(optimizer: Any) -> None:
     """Makes `optimizer` step on each replica's own gradient: no cross-replica sum before its update."""
     require("_all_reduce_sum_gradients")
     optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def install_gradient_sum_guard(check: Callable[[Any], None]) -> None:
+    """Makes every Keras optimizer call check(optimizer) before it sums gradients across replicas, once.
+
+    check raises where the sum would be wrong (a plain optimizer under an AdasumStrategy, whose
+    replicas must step on their own gradients); an optimizer disable_gradient_sum switched off never
+    gets here.
+    """
+    if hook_problem("_all_reduce_sum_gradients") is not None:
+        return
+    optimizer = _tf_optimizer()
+    original = optimizer._all_reduce_sum_gradients
+    if hasattr(original, "_tf_adasum_original"):
+        return
+
+    @functools.wraps(original)
+    def guarded(self: Any, grads_and_vars: Any) -> Any:
+        check(self)
+        return original(self, grads_and_vars)
+
+    optimizer._all_reduce_sum_gradients = _mark(guarded, original)
+
+
+def install_optimizer_apply(route: Callable[[Any, Any], Any]) -> None:
+    """Makes a Keras optimizer's apply (and apply_gradients) run route(optimizer, variables).apply
+    instead, where route gives an optimizer rather than None; once per process.
+
+    Keras's own wrappers (LossScaleOptimizer) and tf_adasum's override apply and reach this through
+    their inner optimizer.
+    """
+    if hook_problem("Optimizer.apply") is not None:
+        return
+    base = _base_optimizer()
+    original = base.apply
+    if hasattr(original, "_tf_adasum_original"):
+        return
+
+    @functools.wraps(original)
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        instead = route(self, trainable_variables)
+        if instead is None:
+            return original(self, grads, trainable_variables)
+        return instead.apply(grads, trainable_variables)
+
+    base.apply = _mark(apply, original)
 
 
 def strategy_of(optimizer: Any) -> Any:

@@ -10,7 +10,9 @@ the import line is the only change. The difference that matters:
   state see Adasum-combined gradients rather than each worker's own.
 - `op=hvd.Average` and `op=hvd.Sum` all-reduce the gradients before the optimizer, as Horovod does.
 
-An argument that tf_adasum does not implement raises an error that names it; nothing is ignored.
+The functions are tf_adasum.tensorflow's (Horovod's Keras module sits on its TensorFlow module the same
+way), with Horovod's Keras signatures: they return tensors, eagerly and inside tf.function. An argument
+that tf_adasum does not implement raises an error that names it; nothing is ignored.
 """
 
 from __future__ import annotations
@@ -20,21 +22,25 @@ from typing import Any
 import keras as _keras
 import tensorflow as tf
 
-from tf_adasum import agreement, callbacks, distributed, shared_state, sync
-from tf_adasum.distributed import (
+from tf_adasum import callbacks
+from tf_adasum import tensorflow as _tf
+from tf_adasum.tensorflow import (
     Adasum,
     Average,
+    Compression,
     Sum,
+    broadcast_variables,
     cross_rank,
     cross_size,
+    init,
     is_initialized,
     local_rank,
     local_size,
     rank,
     shutdown,
     size,
+    unsupported,
 )
-from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
 
 __all__ = [
     "Adasum",
@@ -60,50 +66,6 @@ __all__ = [
 ]
 
 
-class _Compressor:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"Compression.{self.name}"
-
-
-class Compression:
-    """Horovod's gradient compression: `none`, or `fp16` (float32/float64 travel as float16)."""
-
-    none = _Compressor("none")
-    fp16 = _Compressor("fp16")
-
-
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Starts the engine this process was launched for (mpirun, horovodrun, tf_adasum.run, TF_CONFIG)."""
-    _unsupported("init", comm=(comm, None), process_sets=(process_sets, None))
-    distributed.init()
-
-
-def _unsupported(where: str, **arguments: tuple[Any, Any]) -> None:
-    """Raises naming every argument whose value differs from the one default that tf_adasum implements."""
-    for name, (value, default) in arguments.items():
-        same = value is default if default is None or isinstance(default, _Compressor) else value == default
-        if not same:
-            raise NotImplementedError(
-                f"{where}({name}={value!r}) is not supported by tf_adasum; only {name}={default!r} is"
-            )
-
-
-def _reduce_op(where: str, average: bool | None, op: Any) -> distributed.ReduceOp:
-    if op is not None and average is not None:
-        raise ValueError(f"{where}: pass op or average, not both (got op={op!r}, average={average!r})")
-    if op is not None:
-        return distributed.ReduceOp(op)
-    return Sum if average is False else Average
-
-
-def _value(result: Any) -> Any:
-    # Horovod's Keras functions return values, not tensors, when called eagerly.
-    return result.numpy() if tf.executing_eagerly() and hasattr(result, "numpy") else result
-
-
 def allreduce(
     value: Any,
     name: str | None = None,
@@ -112,44 +74,29 @@ def allreduce(
     postscale_factor: float = 1.0,
     op: Any = None,
     compression: Any = Compression.none,
-) -> Any:
-    """Reduces a value over all processes: Average (the default), Sum, or Adasum."""
-    _unsupported(
-        "allreduce",
-        prescale_factor=(prescale_factor, 1.0),
-        postscale_factor=(postscale_factor, 1.0),
-        compression=(compression, Compression.none),
+) -> tf.Tensor:
+    """Reduces a value over all processes: Average (the default), Sum, or Adasum. Returns a tensor."""
+    return _tf.allreduce(
+        value,
+        average=average,
+        compression=compression,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
     )
-    reduce_op = _reduce_op("allreduce", average, op)
-    return _value(distributed.allreduce(tf.convert_to_tensor(value), op=reduce_op))
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
-    """Rank `root_rank`'s value, on every process."""
-    return _value(distributed.broadcast(tf.convert_to_tensor(value), root=root_rank))
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
+    """Rank `root_rank`'s value, on every process, as a tensor."""
+    return _tf.broadcast(value, root_rank)
 
 
-def broadcast_variables(variables: Any, root_rank: int) -> None:
-    """Assigns rank `root_rank`'s values to `variables` on every process."""
-    shared_state.broadcast_variables(list(variables), root_rank)
-
-
-def allgather(value: Any, name: str | None = None) -> Any:
-    """Every process's value concatenated along the first axis, in rank order.
+def allgather(value: Any, name: str | None = None) -> tf.Tensor:
+    """Every process's value concatenated along the first axis, in rank order, as a tensor.
 
     As in Horovod, the first dimension may differ between processes; the others must agree.
     """
-    tensor = tf.convert_to_tensor(value)
-    comm = distributed.init()
-    if tensor.shape.rank == 0:
-        raise ValueError("allgather needs a tensor of rank 1 or more, got a scalar")
-    rows = comm.allgather(tf.shape(tensor, out_type=tf.int64)[:1])[:, 0]
-    longest = int(tf.reduce_max(rows))
-    padded = tf.pad(tensor, [[0, longest - int(tensor.shape[0])]] + [[0, 0]] * (tensor.shape.rank - 1))
-    agreement.check_same_on_all_ranks(comm, [padded], "allgather")
-    gathered = comm.allgather(padded)
-    parts = [gathered[r, : int(rows[r])] for r in range(comm.size)]
-    return _value(tf.concat(parts, 0))
+    return _tf.allgather(value)
 
 
 def DistributedOptimizer(
@@ -168,69 +115,34 @@ def DistributedOptimizer(
     process_set: Any = None,
     scale_local_gradients: bool = True,
 ) -> _keras.optimizers.Optimizer:
-    """Horovod's DistributedOptimizer for Keras 3.
-
-    Args:
-        optimizer: the Keras optimizer to wrap.
-        name: optional name of the wrapper.
-        compression: Compression.none or Compression.fp16.
-        sparse_as_dense: sparse (IndexedSlices) gradients are always made dense by tf_adasum; either
-            value gives the same result.
-        op: Average or Sum all-reduce the gradients before the optimizer; Adasum combines the model
-            deltas after it (the paper's method), every `backward_passes_per_step` local steps.
-        backward_passes_per_step: with op=Adasum, the local steps between two syncs (each local step
-            applies its own gradient); with Average/Sum only 1 is supported.
-        average_aggregated_gradients: only False, or True with backward_passes_per_step=1 (where it
-            has no effect), is supported.
-        device_dense, device_sparse, gradient_predivide_factor, num_groups, groups, process_set,
-        scale_local_gradients: only their defaults are supported; anything else raises.
+    """Horovod's Keras DistributedOptimizer: tf_adasum.tensorflow.DistributedOptimizer, with the Keras
+    module's argument order.
 
     Returns:
-        An AdasumOptimizer (op=Adasum) or AllreduceOptimizer (op=Average/Sum) around `optimizer`.
-
-    Raises:
-        NotImplementedError: an argument that tf_adasum does not implement, named.
-        ValueError: an unknown op, or a bad backward_passes_per_step.
+        An AdasumOptimizer (op=Adasum: Adasum after the optimizer, every `backward_passes_per_step`
+        local steps) or an AllreduceOptimizer (op=Average/Sum: the gradients all-reduced before it).
     """
-    _unsupported(
-        "DistributedOptimizer",
-        device_dense=(device_dense, ""),
-        device_sparse=(device_sparse, ""),
-        gradient_predivide_factor=(gradient_predivide_factor, 1.0),
-        num_groups=(num_groups, 0),
-        groups=(groups, None),
-        process_set=(process_set, None),
-        scale_local_gradients=(scale_local_gradients, True),
+    return _tf.DistributedOptimizer(
+        optimizer,
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
     )
-    if compression not in (Compression.none, Compression.fp16):
-        raise NotImplementedError(
-            f"DistributedOptimizer(compression={compression!r}) is not supported by tf_adasum; use "
-            "Compression.none or Compression.fp16"
-        )
-    del sparse_as_dense  # both values give dense reductions here (see Args)
-    reduce_op = distributed.ReduceOp(op)
-    sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
-    if average_aggregated_gradients and backward_passes_per_step > 1:
-        raise NotImplementedError(
-            "DistributedOptimizer(average_aggregated_gradients=True, backward_passes_per_step>1) is not "
-            "supported by tf_adasum"
-        )
-    distributed.init()
-    if reduce_op is Adasum:
-        return AdasumOptimizer(
-            optimizer, sync_every=backward_passes_per_step, name=name, compression=compression.name
-        )
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            f"DistributedOptimizer(op={reduce_op.name.title()}, backward_passes_per_step="
-            f"{backward_passes_per_step}) is not supported by tf_adasum; only op=Adasum takes local steps"
-        )
-    return AllreduceOptimizer(optimizer, op=reduce_op, name=name, compression=compression.name)
 
 
 def load_model(
     filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None, compression: Any = None
 ) -> Any:
     """keras.models.load_model; tf_adasum's optimizers are registered, so nothing needs wrapping."""
-    _unsupported("load_model", custom_optimizers=(custom_optimizers, None), compression=(compression, None))
+    unsupported("load_model", custom_optimizers=(custom_optimizers, None), compression=(compression, None))
     return _keras.models.load_model(filepath, custom_objects=custom_objects)

@@ -4,12 +4,18 @@ Use it where MirroredStrategy goes. A plain Keras optimizer compiled under its s
 AdasumOptimizer, so each replica steps on its own and the deltas are combined with Adasum; metrics,
 losses and BatchNorm statistics keep MirroredStrategy's sums and means.
 
+Custom training loops work too (TensorFlow's "Custom training with tf.distribute.Strategy" with the
+one-line change): a plain optimizer whose apply_gradients runs inside strategy.run steps as an
+AdasumOptimizer's inner optimizer (adasum_for), built on its first step; nothing under this strategy
+sums the replicas' gradients (refuse_gradient_mean).
+
 Across processes (mpirun, horovodrun --mpi, or TF_CONFIG), each process holds one replica, as with
 Horovod: one process per GPU or per host CPU. The model updates cross processes inside the optimizer
 (tf_adasum.allreduce); each process reads its contiguous share of every global batch, as replicas do
-within MirroredStrategy; the logs of Keras's train and test steps are averaged over processes. No
-part of this goes through MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks
-(keras-team/keras#20585).
+within MirroredStrategy; num_replicas_in_sync counts every replica of every process, as under
+MultiWorkerMirroredStrategy, so loss scaling and tf.nn.compute_average_loss mean the global batch;
+the logs of Keras's train and test steps are averaged over processes. No part of this goes through
+MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks (keras-team/keras#20585).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     inner = _compat.loss_scale_inner(optimizer)
     if isinstance(inner, AdasumOptimizer):
         return optimizer
-    adasum = AdasumOptimizer(inner, sync_every=strategy.sync_every)
+    adasum = AdasumOptimizer.wrapping(inner) or AdasumOptimizer(inner, sync_every=strategy.sync_every)
     if inner is optimizer:
         return adasum
     return keras.optimizers.LossScaleOptimizer(
@@ -47,6 +53,38 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
         dynamic_growth_steps=optimizer.dynamic_growth_steps,
         name=optimizer.name,
     )
+
+
+def adasum_for(optimizer: Any, trainable_variables: Any) -> AdasumOptimizer | None:
+    """The AdasumOptimizer whose step a Keras optimizer's apply runs instead, or None for its own
+    (tf_adasum/__init__.py installs this as _compat.install_optimizer_apply's route).
+
+    Under an AdasumStrategy, in replica context (inside strategy.run), a plain optimizer's step would be
+    MirroredStrategy's mean of gradients; it runs as the inner step of an AdasumOptimizer instead,
+    created and built on the optimizer's first step. An optimizer an AdasumOptimizer already wraps runs
+    as that one's, unless that one is taking its local step now.
+    """
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, AdasumStrategy) or tf.distribute.in_cross_replica_context():
+        return None
+    wrapper = AdasumOptimizer.wrapping(optimizer)
+    if wrapper is not None:
+        return None if wrapper.is_stepping() else wrapper
+    # Created once, in cross-replica context: every replica's thread meets this merge_call on its first step.
+    return tf.distribute.get_replica_context().merge_call(lambda s: s.adasum_optimizer_for(optimizer))
+
+
+def refuse_gradient_mean(optimizer: Any) -> None:
+    """Raises where an optimizer would sum its replicas' gradients under an AdasumStrategy (installed by
+    tf_adasum/__init__.py as _compat.install_gradient_sum_guard's check): never a silent mean."""
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, AdasumStrategy) and not tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            f"AdasumStrategy: optimizer {optimizer.name!r} ({type(optimizer).__name__}) would average its "
+            "replicas' gradients as MirroredStrategy does, not run Adasum after its step. Wrap it: "
+            f"`optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.{type(optimizer).__name__}(...))`, "
+            "or step it with apply_gradients inside strategy.run"
+        )
 
 
 class AdasumStrategy(tf.distribute.MirroredStrategy):
@@ -89,6 +127,31 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self.sync_every = sync_every
+
+    # sync.syncs: every optimizer step under this strategy ends in an Adasum sync.
+    _tf_adasum_syncs = True
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Every replica of every process, as MultiWorkerMirroredStrategy counts them.
+
+        Keras's loss scaling, tf.nn.compute_average_loss and a script's global batch size (per-replica
+        batch times this) then mean the job's global batch; AdasumOptimizer multiplies the gradients
+        back by the same number, so each local step is the step a single worker would take on its
+        replica's batch. Each process still splits its share over its own devices.
+        """
+        return super().num_replicas_in_sync * self.comm.size
+
+    def adasum_optimizer_for(self, optimizer: Any) -> AdasumOptimizer:
+        """The AdasumOptimizer a plain optimizer steps through in a strategy.run loop, created on its first
+        step; it builds itself there, eagerly (AdasumOptimizer._build_at_the_first_step)."""
+        wrapper = AdasumOptimizer.wrapping(optimizer)
+        if wrapper is None:
+            with tf.init_scope():  # in cross-replica context: eagerly, under this strategy
+                wrapper = AdasumOptimizer(optimizer, sync_every=self.sync_every)
+            # tf.train.Checkpoint(optimizer=optimizer) then holds every replica's optimizer state too.
+            optimizer._track_trackable(wrapper.replica_state, name="tf_adasum_replica_state", overwrite=True)
+        return wrapper
 
     def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
         """Each process takes its contiguous share of every global batch, then splits it over replicas."""

@@ -20,8 +20,9 @@ from tf_adasum import _compat, agreement, distributed
 from tf_adasum.tensor_lists import squared_norms
 from tf_adasum.variables import replica_values, tf_variable, variable_name
 
-# The mark of an optimizer that syncs: a class attribute of tf_adasum's wrappers, and an attribute of
-# the apply that AdasumCallback installs on the user's optimizer during fit.
+# The mark of an optimizer that syncs: a class attribute of tf_adasum's wrappers and of AdasumStrategy
+# (under which every optimizer step syncs), and an attribute of the apply that AdasumCallback installs
+# on the user's optimizer during fit.
 SYNCS = "_tf_adasum_syncs"
 
 
@@ -171,10 +172,12 @@ def extended_by_callback(optimizer: Any) -> bool:
 
 def syncs(optimizer: Any) -> bool:
     """Whether this optimizer's step ends in a sync across replicas or processes: a tf_adasum wrapper
-    (AdasumOptimizer, AllreduceOptimizer), or an optimizer AdasumCallback extended."""
-    return optimizer is not None and (
-        getattr(type(optimizer), SYNCS, False) or extended_by_callback(optimizer)
-    )
+    (AdasumOptimizer, AllreduceOptimizer), an optimizer AdasumCallback extended, or any optimizer
+    stepping under an AdasumStrategy (which runs a plain one's step as an AdasumOptimizer's)."""
+    if optimizer is None:
+        return False
+    marked = getattr(type(optimizer), SYNCS, False) or extended_by_callback(optimizer)
+    return bool(marked or getattr(tf.distribute.get_strategy(), SYNCS, False))
 
 
 def without_xla(model: Any) -> None:
