@@ -1,0 +1,197 @@
+"""One process of the custom-loop tests across processes, under mpirun, `python -m tf_adasum.run` or
+horovodrun; every process writes what it saw into OUT_DIR.
+
+Usage:
+    loop_worker.py OUT_DIR MODE [MODE ...]
+    tutorial    TensorFlow's tutorial loop under AdasumStrategy (strategy.run, compute_average_loss,
+                strategy.reduce), on the linear problem, SGD with momentum and Adam
+    tape        Horovod's TF2 loop: DistributedGradientTape (Average, and Adasum of the gradients) and
+                the first-batch broadcast; and the paper's form, AdasumOptimizer.apply_gradients
+    examples    examples/tensorflow2_gradient_tape.py (every --op) and examples/custom_training_loop.py
+    ordering    20 fresh steps that all-reduce the gradients, step, and broadcast model and optimizer
+                variables in one tf.function: the collectives must run in program order on every rank
+    mismatch    rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
+import tf_adasum.tensorflow as hvd
+from tests.script_worker import (
+    BATCH,
+    FEATURES,
+    OUTPUTS,
+    ROWS_PER_RANK,
+    initial_weights,
+    make_optimizer,
+    shard,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+tf.get_logger().setLevel("ERROR")  # the loops make fresh tf.functions on purpose: no retracing warnings
+
+
+def save(out: Path, name: str, info: dict[str, Any], arrays: list[np.ndarray] | None = None) -> None:
+    rank = tf_adasum.rank()
+    (out / f"{name}{rank}.json").write_text(json.dumps(info))
+    if arrays is not None:
+        np.savez(out / f"{name}{rank}.npz", *arrays)
+
+
+def linear(weights: list[np.ndarray]) -> keras.Model:
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(OUTPUTS)])
+    model.set_weights(weights)
+    return model
+
+
+def tutorial(out: Path) -> None:
+    from tests.test_custom_loops import dataset, tutorial_model, tutorial_steps
+
+    for kind in ("sgd_momentum", "adam"):
+        strategy = tf_adasum.AdasumStrategy()
+        global_batch = 4 * strategy.num_replicas_in_sync  # the tutorial's rule: every replica of the job
+        model, optimizer = tutorial_model(strategy, kind)
+        train_step = tutorial_steps(strategy, model, optimizer, global_batch)
+
+        @tf.function
+        def distributed_train_step(
+            inputs: Any, strategy: Any = strategy, train_step: Any = train_step
+        ) -> Any:
+            per_replica_losses = strategy.run(train_step, args=(inputs,))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+        losses = [
+            float(distributed_train_step(x))
+            for x in strategy.experimental_distribute_dataset(dataset(global_batch))
+        ]
+        info = {
+            "replicas": strategy.num_replicas_in_sync,
+            "losses": losses,
+            "steps": int(optimizer.iterations.numpy()),
+        }
+        save(out, f"tutorial_{kind}_", info, model.get_weights())
+
+
+def tape(out: Path) -> None:
+    x, y = shard(tf_adasum.rank())
+    batches = [
+        (x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
+        for s in range(ROWS_PER_RANK // BATCH)
+    ]
+    for op in ("average", "adasum_gradients", "adasum_after"):
+        model = linear(initial_weights(tf_adasum.rank()))  # every rank elsewhere: the broadcast must fix it
+        if op == "adasum_after":  # the paper's Adasum after the optimizer, in a tape loop
+            opt = tf_adasum.AdasumOptimizer(make_optimizer("sgd_momentum"))
+        else:
+            opt = make_optimizer("sgd_momentum")
+
+        @tf.function
+        def training_step(
+            xb: tf.Tensor, yb: tf.Tensor, first_batch: bool, model: Any = model, opt: Any = opt, op: str = op
+        ) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            if op != "adasum_after":
+                tape = hvd.DistributedGradientTape(tape, op=hvd.Average if op == "average" else hvd.Adasum)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            if first_batch and op != "adasum_after":
+                hvd.broadcast_variables(model.variables, root_rank=0)
+                hvd.broadcast_variables(opt.variables, root_rank=0)
+            return loss
+
+        for step, (xb, yb) in enumerate(batches):
+            training_step(xb, yb, step == 0)
+        save(out, f"tape_{op}_", {"iterations": int(opt.iterations.numpy())}, model.get_weights())
+
+
+def examples(out: Path) -> None:
+    for script, flags in (
+        ("tensorflow2_gradient_tape.py", ["--op", "adasum"]),
+        ("tensorflow2_gradient_tape.py", ["--op", "average"]),
+        ("tensorflow2_gradient_tape.py", ["--op", "adasum-gradients"]),
+        ("custom_training_loop.py", []),
+    ):
+        name = f"{Path(script).stem}_{flags[1] if flags else 'strategy'}"
+        sys.argv = [script, "--epochs", "2", "--save", str(out / name), *flags]
+        started = time.monotonic()
+        runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
+        save(out, f"example_{name}_", {"seconds": time.monotonic() - started})
+
+
+def ordering(out: Path) -> None:
+    """The step of issue 19: all-reduced gradients, an optimizer step, and on the first batch a broadcast of
+    the model's and the optimizer's variables, in one tf.function. Each repetition is a fresh function
+    with fresh variables, so each traces and runs that first step anew."""
+    x, y = shard(tf_adasum.rank())
+    digests = []
+    for repetition in range(20):
+        model = linear(initial_weights(tf_adasum.rank() + 10 * repetition))
+        opt = keras.optimizers.Adam(0.01)
+
+        @tf.function
+        def step(xb: tf.Tensor, yb: tf.Tensor, first: bool, model: Any = model, opt: Any = opt) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            grads = tf_adasum.allreduce(grads, op=tf_adasum.Average)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            if first:
+                tf_adasum.keras.broadcast_variables(model.variables + list(opt.variables), root_rank=0)
+            return loss
+
+        for s in range(3):
+            step(x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH], s == 0)
+        digests.append([float(np.sum(w, dtype=np.float64)) for w in model.get_weights()])
+    save(out, "ordering", {"digests": digests})
+
+
+def mismatch(out: Path) -> None:
+    rank = tf_adasum.rank()
+    seen = {}
+    for how in ("eager", "compiled"):
+
+        def both(a: tf.Tensor, b: tf.Tensor) -> None:
+            if rank == 0:
+                tf_adasum.allreduce(a, op=tf_adasum.Sum)
+                tf_adasum.broadcast(b, root=0)
+            else:
+                tf_adasum.broadcast(b, root=0)
+                tf_adasum.allreduce(a, op=tf_adasum.Sum)
+
+        run = both if how == "eager" else tf.function(both)
+        started = time.monotonic()
+        try:
+            run(tf.ones([4]), tf.ones([16]))
+            seen[how] = {"error": "none", "message": "", "seconds": time.monotonic() - started}
+        except Exception as error:  # the test reads which error every rank got
+            seen[how] = {
+                "error": type(error).__name__,
+                "message": str(error),
+                "seconds": time.monotonic() - started,
+            }
+    save(out, "mismatch", seen)
+
+
+MODES = {"tutorial": tutorial, "tape": tape, "examples": examples, "ordering": ordering, "mismatch": mismatch}
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    tf_adasum.init()
+    for mode in sys.argv[2:]:
+        MODES[mode](out_dir)

@@ -1,0 +1,143 @@
+"""Custom training loops on real processes (mpirun, the TF launcher, horovodrun's Gloo mode, 127.0.0.1,
+every launch bounded): TensorFlow's tutorial loop under AdasumStrategy and Horovod's TF2 tape loop on
+tf_adasum.tensorflow against the numpy simulation, the project's two loop examples, collectives in
+program order, and mismatched collectives. tests/loop_worker.py is what every process runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests import oracle, processes
+from tests.processes import log_tail
+from tests.script_worker import BATCH, ROWS_PER_RANK, initial_weights, shard
+from tests.test_existing_scripts import simulate_processes
+from tests.test_training import Replica, mse_grads, simulate
+
+WORKER = str(Path(__file__).with_name("loop_worker.py"))
+
+
+def launch(launcher: str, p: int, out: Path, *modes: str) -> None:
+    code = processes.launch(launcher, p, out, [WORKER, str(out), *modes])
+    assert code == 0, log_tail(out)
+
+
+def load(out: Path, name: str, p: int) -> tuple[list[dict[str, Any]], list[list[np.ndarray]]]:
+    infos = [json.loads((out / f"{name}{r}.json").read_text()) for r in range(p)]
+    arrays = []
+    for r in range(p):
+        path = out / f"{name}{r}.npz"
+        arrays.append(list(np.load(path).values()) if path.exists() else [])
+    return infos, arrays
+
+
+def same_everywhere(weights: list[list[np.ndarray]]) -> None:
+    for mine in weights[1:]:
+        for got, first in zip(mine, weights[0], strict=True):
+            np.testing.assert_array_equal(got, first)  # bitwise the same on every rank
+
+
+def check_tutorial(out: Path, p: int) -> None:
+    for kind in ("sgd_momentum", "adam"):
+        infos, weights = load(out, f"tutorial_{kind}_", p)
+        same_everywhere(weights)
+        simulated: list[float] = []
+        want = simulate(kind, p, 1, 4, 4 * p, simulated)
+        atol = 2e-5 if kind == "adam" else 2e-6
+        for got, w in zip(weights[0], want, strict=True):
+            np.testing.assert_allclose(got, w, rtol=2e-5, atol=atol)
+        for info in infos:  # num_replicas_in_sync counts the job; the loss is the global batch's mean
+            assert info["replicas"] == p and info["steps"] == 4, info
+            np.testing.assert_allclose(
+                info["losses"], np.mean(np.reshape(simulated, (4, p)), axis=1), rtol=1e-5
+            )
+
+
+def simulate_tape(p: int, combine: Any) -> list[np.ndarray]:
+    """Horovod's loop: each rank steps from its own weights on the combined gradient, then every rank
+    takes rank 0's weights and optimizer state; from then on one model."""
+    data = [shard(r) for r in range(p)]
+    batch = [
+        [tuple(a[s * BATCH : (s + 1) * BATCH].astype(np.float64) for a in d) for d in data]
+        for s in range(ROWS_PER_RANK // BATCH)
+    ]
+    sgd = Replica("sgd_momentum", initial_weights(0))
+    starts = [[w.astype(np.float64) for w in initial_weights(r)] for r in range(p)]
+    params = sgd.step(starts[0], combine([mse_grads(starts[r], *batch[0][r]) for r in range(p)]), 1)
+    for s in range(1, len(batch)):
+        params = sgd.step(params, combine([mse_grads(params, *batch[s][r]) for r in range(p)]), s + 1)
+    return params
+
+
+def check_tape(out: Path, p: int) -> None:
+    mean = lambda grads: [np.mean(g, axis=0) for g in zip(*grads, strict=True)]  # noqa: E731
+    for op, want in (
+        ("average", simulate_tape(p, mean)),
+        ("adasum_gradients", simulate_tape(p, oracle.tree)),
+        ("adasum_after", simulate_processes("sgd_momentum", p, 1, 0)),
+    ):
+        _, weights = load(out, f"tape_{op}_", p)
+        same_everywhere(weights)
+        for got, w in zip(weights[0], want, strict=True):
+            np.testing.assert_allclose(got, w, rtol=3e-5, atol=3e-6, err_msg=op)
+
+
+def check_examples(out: Path, p: int) -> None:
+    for name in ("adasum", "average", "adasum-gradients", "strategy"):
+        folder = (
+            "custom_training_loop_strategy" if name == "strategy" else f"tensorflow2_gradient_tape_{name}"
+        )
+        weights = [list(np.load(out / folder / f"weights{r}.npz").values()) for r in range(p)]
+        same_everywhere(weights)
+        assert all(np.all(np.isfinite(w)) for w in weights[0])
+    log = (out / "output.log").read_text()
+    held_out = [float(a) for a in re.findall(r"held-out accuracy ([0-9.]+)", log)]
+    tested = [float(a) for a in re.findall(r"epoch 2: .*test accuracy ([0-9.]+)", log)]
+    assert len(held_out) == 3 and len(tested) == 1, log[-3000:]
+    assert min(held_out + tested) > 0.6, (held_out, tested)  # ten classes: chance is 0.1
+
+
+def check_ordering(out: Path, p: int) -> None:
+    infos, _ = load(out, "ordering", p)
+    for info in infos[1:]:
+        assert info["digests"] == infos[0]["digests"]  # 20 first steps, the same weights on every rank
+    assert len(infos[0]["digests"]) == 20 and np.all(np.isfinite(infos[0]["digests"]))
+
+
+def check_mismatch(out: Path, p: int) -> None:
+    infos, _ = load(out, "mismatch", p)
+    for info in infos:
+        for how in ("eager", "compiled"):
+            seen = info[how]
+            assert seen["error"] == "RuntimeError", seen
+            assert "called different collectives" in seen["message"], seen
+            assert (
+                "rank 0: allreduce(op=Sum)" in seen["message"] and "rank 1: broadcast" in seen["message"]
+            ), seen
+            assert seen["seconds"] < 20, seen  # far below the 60 s peer timeout
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "tf"])
+def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
+    launch(launcher, 2, tmp_path, "tutorial", "tape", "ordering", "mismatch", "examples")
+    check_tutorial(tmp_path, 2)
+    check_tape(tmp_path, 2)
+    check_ordering(tmp_path, 2)
+    check_mismatch(tmp_path, 2)
+    check_examples(tmp_path, 2)
+
+
+def test_custom_loops_on_three_mpi_processes(tmp_path: Path) -> None:
+    launch("mpi", 3, tmp_path, "tape", "examples")
+    check_tape(tmp_path, 3)
+    check_examples(tmp_path, 3)
+
+
+def test_the_loop_examples_under_horovodrun_gloo(tmp_path: Path) -> None:
+    launch("horovodrun", 2, tmp_path, "examples")
+    check_examples(tmp_path, 2)
