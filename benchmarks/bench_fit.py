@@ -5,6 +5,16 @@ Usage:
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
     mpirun -np 2 python benchmarks/bench_fit.py --scripts                   # existing-script entry points
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --scripts
+    python benchmarks/bench_fit.py --loops [--replicas 2]                   # custom training loops
+    mpirun -np 2 python benchmarks/bench_fit.py --loops --processes
+
+With --loops, the same model's step as a custom training loop: locally, TensorFlow's tutorial loop
+(strategy.run, a plain optimizer's apply_gradients) under AdasumStrategy against model.fit under it
+(loop_vs_fit) and against the same loop under MirroredStrategy (loop_vs_mirrored_loop); across
+processes, Horovod's TF2 loop on tf_adasum.tensorflow (a GradientTape, one tf.function per step) with
+Adasum after the optimizer (AdasumOptimizer.apply_gradients) and with DistributedGradientTape's
+gradient average, against model.fit with AdasumCallback (tape_adasum_vs_fit) and against the tape
+average (tape_adasum_vs_average).
 
 With --scripts, every process runs a plain Keras fit (one replica per process, no strategy) three ways
 in the same run: alone, with no communication at all (the single-process baseline); with
@@ -153,8 +163,12 @@ def scripts(kind: str, local_batch: int, steps: int) -> None:
         print(json.dumps(row), flush=True)
 
 
-def custom_loop_step_ms(strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5) -> float:
-    """What fit does per step, written as a strategy.run loop (MultiWorkerMirroredStrategy's baseline)."""
+def custom_loop_step_ms(
+    strategy: Any, kind: str, global_batch: int, steps: int, warmup: int = 5, build_first: bool = False
+) -> float:
+    """What fit does per step, written as a strategy.run loop (MultiWorkerMirroredStrategy's baseline,
+    and TensorFlow's tutorial loop). build_first builds the optimizer before the loop, which Keras 3
+    needs under MirroredStrategy for a stateful optimizer (keras-team/keras#23085)."""
     import keras
     import tensorflow as tf
 
@@ -166,6 +180,8 @@ def custom_loop_step_ms(strategy: Any, kind: str, global_batch: int, steps: int,
         model = make_model(kind)
         optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        if build_first:
+            optimizer.build(model.trainable_variables)
 
     def replica_step(batch: Any) -> Any:
         features, labels = batch
@@ -189,6 +205,78 @@ def custom_loop_step_ms(strategy: Any, kind: str, global_batch: int, steps: int,
     return 1e3 * statistics.median(times)
 
 
+def tape_loop_step_ms(kind: str, local_batch: int, steps: int, how: str, warmup: int = 5) -> float:
+    """Horovod's TF2 loop, one process per worker: "adasum" steps AdasumOptimizer(SGD) on this process's
+    own gradients (the paper's Adasum after the optimizer); "average" reduces them with
+    DistributedGradientTape first, as Horovod's examples do."""
+    import keras
+    import tensorflow as tf
+
+    import tf_adasum
+    import tf_adasum.tensorflow as hvd
+
+    x, y = data(kind, local_batch * (steps + warmup))
+    model = make_model(kind)
+    inner = keras.optimizers.SGD(0.01, momentum=0.9)
+    optimizer = tf_adasum.AdasumOptimizer(inner) if how == "adasum" else inner
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(features: Any, labels: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        if how == "average":
+            tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    times = []
+    for i in range(steps + warmup):
+        rows = slice(i * local_batch, (i + 1) * local_batch)
+        start = time.perf_counter()
+        step(x[rows], y[rows]).numpy()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def loops(kind: str, replicas: list[int], local_batch: int, steps: int, processes: bool) -> None:
+    """The --loops rows: custom loops against fit, each measured in this run."""
+    import tensorflow as tf
+
+    import tf_adasum
+
+    if processes:
+        comm = tf_adasum.init()
+        default = tf.distribute.get_strategy()
+        fit = fit_step_ms(default, kind, local_batch, steps, callbacks=[tf_adasum.AdasumCallback()])
+        adasum = tape_loop_step_ms(kind, local_batch, steps, "adasum")
+        average = tape_loop_step_ms(kind, local_batch, steps, "average")
+        row = {"model": kind, "processes": comm.size, "engine": comm.engine, "fit_callback_ms": round(fit, 2)}
+        row |= {"tape_adasum_ms": round(adasum, 2), "tape_average_ms": round(average, 2)}
+        row |= {
+            "tape_adasum_vs_fit": round(adasum / fit, 2),
+            "tape_adasum_vs_average": round(adasum / average, 2),
+        }
+        if comm.rank == 0:
+            print(json.dumps(row), flush=True)
+        return
+    for p in replicas:
+        devices = [d.name for d in tf.config.list_logical_devices("CPU")[:p]]
+        global_batch = local_batch * p
+        fit = fit_step_ms(tf_adasum.AdasumStrategy(devices), kind, global_batch, steps)
+        loop = custom_loop_step_ms(tf_adasum.AdasumStrategy(devices), kind, global_batch, steps)
+        mirrored = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+        mirrored_loop = custom_loop_step_ms(mirrored, kind, global_batch, steps, build_first=True)
+        row = {"model": kind, "replicas": p, "adasum_fit_ms": round(fit, 2), "adasum_loop_ms": round(loop, 2)}
+        row |= {"mirrored_loop_ms": round(mirrored_loop, 2), "loop_vs_fit": round(loop / fit, 2)}
+        row |= {"loop_vs_mirrored_loop": round(loop / mirrored_loop, 2)}
+        print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -201,10 +289,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--processes", action="store_true", help="run under tf_adasum.run or mpirun")
     parser.add_argument("--scripts", action="store_true", help="AdasumCallback and op=Average, per process")
+    parser.add_argument("--loops", action="store_true", help="custom training loops against fit")
     args = parser.parse_args()
 
     import tensorflow as tf
 
+    if args.loops:
+        if not args.processes:
+            tf.config.set_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0],
+                [tf.config.LogicalDeviceConfiguration()] * max(args.replicas),
+            )
+        import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
+
+        for kind in args.models:
+            loops(kind, args.replicas, args.local_batch, args.steps, args.processes)
+        return
     if args.scripts:
         import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
 
