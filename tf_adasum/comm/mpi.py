@@ -115,24 +115,24 @@ class MPICommunicator(HostCommunicator):
         tf.function chains stateful ops that take no resource with control edges, but Grappler's
         dependency optimizer drops those edges between host calls: a step that all-reduced gradients and
         then broadcast variables ran the two on different threads, in different orders on two ranks,
-        and failed with MPI_ERR_TRUNCATE in about one run of three. So each host call takes the value of
-        a token variable as an input and writes the next value from its output: reads and writes of one
-        variable keep their program order in every graph, nested functions and control flow included.
+        and failed with MPI_ERR_TRUNCATE in about one run of three. So every host call takes this
+        process's ordering token, a resource, as an input, as the TF engine's collectives do: tf.function
+        orders the ops that use one resource in program order, nested functions and control flow
+        included, and that order is kept (the host function ignores the handle).
         """
         if tf.executing_eagerly():
             # np.asarray shares the tensor's memory; .numpy() would copy it. The functions only read it.
             return [tf.convert_to_tensor(out) for out in fn(*[np.asarray(t) for t in inputs])]
 
-        def run(step: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
-            return [*fn(*arrays), np.asarray(step + 1, np.int64)]
+        def run(token: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+            return list(fn(*arrays))
 
-        *outs, step = tf.numpy_function(
-            run, [self._token.read_value(), *inputs], [*dtypes, tf.int64], stateful=True
-        )
-        self._token.assign(step)
+        outs = tf.numpy_function(run, [self._token.handle, *inputs], list(dtypes), stateful=True)
+        if not dtypes:  # the op alone, which tf.function runs as it runs every stateful op
+            return []
         for out, shape in zip(outs, shapes, strict=True):
             out.set_shape(shape)
-        return outs
+        return list(outs)
 
     def _host(
         self, fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], dtype: tf.DType, shape: Any
