@@ -9,13 +9,14 @@ Usage:
                 the first-batch broadcast; and the paper's form, AdasumOptimizer.apply_gradients
     examples    examples/tensorflow2_gradient_tape.py (every --op) and examples/custom_training_loop.py
     ordering    20 fresh steps that all-reduce the gradients, step, and broadcast model and optimizer
-                variables in one tf.function: the collectives must run in program order on every rank
-    mismatch    rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise
+                variables in one tf.function, and 20 fresh functions of all-reduces and broadcasts with
+                no data between them: the collectives must run in program order on every rank
+    mismatch    rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise; and,
+                under MPI, a compiled tf.cond on the rank that parts them only when it runs
 """
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -31,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
+import tf_adasum.keras
 import tf_adasum.tensorflow as hvd
 from tests.script_worker import (
     BATCH,
@@ -39,18 +41,12 @@ from tests.script_worker import (
     ROWS_PER_RANK,
     initial_weights,
     make_optimizer,
+    save,
     shard,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 tf.get_logger().setLevel("ERROR")  # the loops make fresh tf.functions on purpose: no retracing warnings
-
-
-def save(out: Path, name: str, info: dict[str, Any], arrays: list[np.ndarray] | None = None) -> None:
-    rank = tf_adasum.rank()
-    (out / f"{name}{rank}.json").write_text(json.dumps(info))
-    if arrays is not None:
-        np.savez(out / f"{name}{rank}.npz", *arrays)
 
 
 def linear(weights: list[np.ndarray]) -> keras.Model:
@@ -93,9 +89,17 @@ def tape(out: Path) -> None:
         (x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
         for s in range(ROWS_PER_RANK // BATCH)
     ]
-    for op in ("average", "adasum_gradients", "adasum_after"):
+    for op in ("average", "adasum_gradients", "adasum_after", "adasum_after_unbuilt"):
         model = linear(initial_weights(tf_adasum.rank()))  # every rank elsewhere: the broadcast must fix it
-        if op == "adasum_after":  # the paper's Adasum after the optimizer, in a tape loop
+        if op == "adasum_after_unbuilt":  # first called inside the step: its weights are made there
+            w, b = initial_weights(tf_adasum.rank())
+            dense = keras.layers.Dense(
+                OUTPUTS,
+                kernel_initializer=keras.initializers.Constant(w),
+                bias_initializer=keras.initializers.Constant(b),
+            )
+            model = keras.Sequential([dense])
+        if op.startswith("adasum_after"):  # the paper's Adasum after the optimizer, in a tape loop
             opt = tf_adasum.AdasumOptimizer(make_optimizer("sgd_momentum"))
         else:
             opt = make_optimizer("sgd_momentum")
@@ -106,11 +110,11 @@ def tape(out: Path) -> None:
         ) -> tf.Tensor:
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((model(xb) - yb) ** 2)
-            if op != "adasum_after":
+            if not op.startswith("adasum_after"):
                 tape = hvd.DistributedGradientTape(tape, op=hvd.Average if op == "average" else hvd.Adasum)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            if first_batch and op != "adasum_after":
+            if first_batch and not op.startswith("adasum_after"):
                 hvd.broadcast_variables(model.variables, root_rank=0)
                 hvd.broadcast_variables(opt.variables, root_rank=0)
             return loss
@@ -158,6 +162,22 @@ def ordering(out: Path) -> None:
         for s in range(3):
             step(x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH], s == 0)
         digests.append([float(np.sum(w, dtype=np.float64)) for w in model.get_weights()])
+
+    # Collectives with no data between them: only the engine's ordering keeps them in program order.
+    for repetition in range(20):
+
+        @tf.function
+        def independent(a: tf.Tensor, b: tf.Tensor) -> list[tf.Tensor]:
+            return [
+                tf_adasum.allreduce(a, op=tf_adasum.Sum),
+                tf_adasum.broadcast(b, root=0),
+                tf_adasum.allreduce(a * 2, op=tf_adasum.Average),
+                tf_adasum.broadcast(b + 1, root=0),
+            ]
+
+        a = tf.fill([3], float(repetition))
+        results = independent(a, tf.fill([5], float(tf_adasum.rank())))
+        digests.append([float(np.sum(r.numpy(), dtype=np.float64)) for r in results])
     save(out, "ordering", {"digests": digests})
 
 
@@ -183,6 +203,27 @@ def mismatch(out: Path) -> None:
             seen[how] = {
                 "error": type(error).__name__,
                 "message": str(error),
+                "seconds": time.monotonic() - started,
+            }
+    if tf_adasum.init().engine == "mpi":
+        # Ranks that part only when the step runs: both branches trace alike everywhere, so the check at
+        # trace time passes, and the announcement before each collective is what stops them.
+        @tf.function
+        def branch(a: tf.Tensor) -> tf.Tensor:
+            return tf.cond(
+                tf.equal(tf_adasum.rank(), 0),
+                lambda: tf_adasum.allreduce(a, op=tf_adasum.Sum),
+                lambda: tf_adasum.broadcast(a, root=0),
+            )
+
+        started = time.monotonic()
+        try:
+            branch(tf.ones([4]))
+            seen["branch"] = {"error": "none", "message": "", "seconds": time.monotonic() - started}
+        except tf.errors.OpError as error:
+            seen["branch"] = {
+                "error": type(error).__name__,
+                "message": error.message,
                 "seconds": time.monotonic() - started,
             }
     save(out, "mismatch", seen)

@@ -261,3 +261,61 @@ def test_the_horovod_tape_api_in_a_world_of_one() -> None:
     with pytest.raises(ValueError, match="applies to op=Average only"):
         hvd.DistributedGradientTape(tape, op=hvd.Sum, gradient_predivide_factor=2.0)
     assert isinstance(hvd.DistributedOptimizer(make_inner("adam"), op=hvd.Adasum), tf_adasum.AdasumOptimizer)
+
+
+def test_mixed_precision_in_the_tutorial_loop_is_adasum_too() -> None:
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model, inner = tutorial_model(strategy, "sgd_momentum")
+    with strategy.scope():
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0, dynamic_growth_steps=1000)
+    loss_object = keras.losses.MeanSquaredError(reduction=None)
+
+    def train_step(inputs: Any) -> tf.Tensor:
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=8)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    run = tf.function(lambda inputs: strategy.run(train_step, args=(inputs,)))
+    for x in strategy.experimental_distribute_dataset(dataset(8)):
+        run(x)
+    close(model.get_weights(), simulate("sgd_momentum", 2, 1, STEPS, 8), "sgd_momentum")
+    replicas_agree(strategy, model)
+
+
+@pytest.mark.parametrize("wrapper", [tf_adasum.AdasumOptimizer, tf_adasum.AllreduceOptimizer])
+def test_an_optimizer_stepped_directly_runs_its_wrappers_step(wrapper: Any, monkeypatch: Any) -> None:
+    # A script that wrapped `base` but steps `base` itself still syncs: its step is the wrapper's.
+    steps: list[Any] = []
+    original = wrapper.apply
+
+    def counting(self: Any, grads: Any, trainable_variables: Any = None) -> None:
+        steps.append(self)
+        original(self, grads, trainable_variables)
+
+    monkeypatch.setattr(wrapper, "apply", counting)
+    _, _, w, b = problem()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([w, b])
+    base = make_inner("sgd_momentum")
+    wrapped = wrapper(base)
+    grads = [tf.ones_like(v) for v in model.trainable_variables]
+    base.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    assert steps == [wrapped]
+    assert int(base.iterations.numpy()) == 1  # and the wrapper's own step of `base` ran once, not again
+
+
+def test_the_tape_reduces_an_embeddings_sparse_gradient_dense() -> None:
+    embedding = keras.layers.Embedding(6, 2)
+    ids = tf.constant([[0, 3, 3]])
+    for op in (hvd.Average, hvd.Adasum):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(embedding(ids) ** 2)
+        plain = tape.gradient(loss, embedding.trainable_variables)[0]
+        assert isinstance(plain, tf.IndexedSlices)
+        (reduced,) = hvd.DistributedGradientTape(tape, op=op).gradient(loss, embedding.trainable_variables)
+        assert isinstance(reduced, tf.Tensor) and reduced.shape == (6, 2)
+        np.testing.assert_allclose(reduced.numpy(), tf.convert_to_tensor(plain).numpy(), rtol=1e-6)

@@ -5,7 +5,6 @@ program order, and mismatched collectives. tests/loop_worker.py is what every pr
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 from tests import oracle, processes
 from tests.processes import log_tail
 from tests.script_worker import BATCH, ROWS_PER_RANK, initial_weights, shard
-from tests.test_existing_scripts import simulate_processes
+from tests.test_existing_scripts import load, simulate_processes
 from tests.test_training import Replica, mse_grads, simulate
 
 WORKER = str(Path(__file__).with_name("loop_worker.py"))
@@ -25,15 +24,6 @@ WORKER = str(Path(__file__).with_name("loop_worker.py"))
 def launch(launcher: str, p: int, out: Path, *modes: str) -> None:
     code = processes.launch(launcher, p, out, [WORKER, str(out), *modes])
     assert code == 0, log_tail(out)
-
-
-def load(out: Path, name: str, p: int) -> tuple[list[dict[str, Any]], list[list[np.ndarray]]]:
-    infos = [json.loads((out / f"{name}{r}.json").read_text()) for r in range(p)]
-    arrays = []
-    for r in range(p):
-        path = out / f"{name}{r}.npz"
-        arrays.append(list(np.load(path).values()) if path.exists() else [])
-    return infos, arrays
 
 
 def same_everywhere(weights: list[list[np.ndarray]]) -> None:
@@ -74,12 +64,33 @@ def simulate_tape(p: int, combine: Any) -> list[np.ndarray]:
     return params
 
 
+def simulate_unbuilt(p: int) -> list[np.ndarray]:
+    """AdasumOptimizer with a model first built inside the step: each rank's first gradient comes from
+    its own initial weights (they cannot be broadcast before the step makes them); every rank steps
+    from rank 0's weights, with its own optimizer state, and the deltas are combined every step."""
+    data = [shard(r) for r in range(p)]
+    batch = [
+        [tuple(a[s * BATCH : (s + 1) * BATCH].astype(np.float64) for a in d) for d in data]
+        for s in range(ROWS_PER_RANK // BATCH)
+    ]
+    anchor = [w.astype(np.float64) for w in initial_weights(0)]
+    own = [[w.astype(np.float64) for w in initial_weights(r)] for r in range(p)]
+    replicas = [Replica("sgd_momentum", anchor) for _ in range(p)]
+    for s in range(len(batch)):
+        at = own if s == 0 else [anchor] * p
+        stepped = [replicas[r].step(anchor, mse_grads(at[r], *batch[s][r]), s + 1) for r in range(p)]
+        deltas = [[q - a for q, a in zip(stepped[r], anchor, strict=True)] for r in range(p)]
+        anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
+    return anchor
+
+
 def check_tape(out: Path, p: int) -> None:
     mean = lambda grads: [np.mean(g, axis=0) for g in zip(*grads, strict=True)]  # noqa: E731
     for op, want in (
         ("average", simulate_tape(p, mean)),
         ("adasum_gradients", simulate_tape(p, oracle.tree)),
         ("adasum_after", simulate_processes("sgd_momentum", p, 1, 0)),
+        ("adasum_after_unbuilt", simulate_unbuilt(p)),
     ):
         _, weights = load(out, f"tape_{op}_", p)
         same_everywhere(weights)
@@ -106,11 +117,15 @@ def check_ordering(out: Path, p: int) -> None:
     infos, _ = load(out, "ordering", p)
     for info in infos[1:]:
         assert info["digests"] == infos[0]["digests"]  # 20 first steps, the same weights on every rank
-    assert len(infos[0]["digests"]) == 20 and np.all(np.isfinite(infos[0]["digests"]))
+    steps, independent = infos[0]["digests"][:20], infos[0]["digests"][20:]
+    assert len(steps) == 20 and np.all(np.isfinite(steps))
+    # The independent collectives: sum, rank 0's values, mean, rank 0's values plus one.
+    assert independent == [[3.0 * r * p, 0.0, 6.0 * r, 5.0] for r in range(20)], independent
 
 
-def check_mismatch(out: Path, p: int) -> None:
+def check_mismatch(out: Path, p: int, engine: str) -> None:
     infos, _ = load(out, "mismatch", p)
+    assert all(("branch" in info) == (engine == "mpi") for info in infos), infos
     for info in infos:
         for how in ("eager", "compiled"):
             seen = info[how]
@@ -120,6 +135,11 @@ def check_mismatch(out: Path, p: int) -> None:
                 "rank 0: allreduce(op=Sum)" in seen["message"] and "rank 1: broadcast" in seen["message"]
             ), seen
             assert seen["seconds"] < 20, seen  # far below the 60 s peer timeout
+        if "branch" in info:  # MPI: the announcement before each collective names both
+            seen = info["branch"]
+            assert "the ranks are at different checks" in seen["message"], seen
+            assert "rank 0: an all-reduce, rank 1: a broadcast from rank 0" in seen["message"], seen
+            assert seen["seconds"] < 20, seen
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
@@ -128,7 +148,7 @@ def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
     check_tutorial(tmp_path, 2)
     check_tape(tmp_path, 2)
     check_ordering(tmp_path, 2)
-    check_mismatch(tmp_path, 2)
+    check_mismatch(tmp_path, 2, launcher)
     check_examples(tmp_path, 2)
 
 

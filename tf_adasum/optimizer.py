@@ -35,12 +35,21 @@ from keras.optimizers import LossScaleOptimizer
 from tf_adasum import _compat, agreement, distributed, sync
 from tf_adasum.compression import check_compression
 from tf_adasum.shared_state import broadcast_variables
+from tf_adasum.tensor_lists import dense
 from tf_adasum.variables import replica_values, tf_variable, variable_name
 
 
-def _dense(gradient: Any) -> Any:
-    """Keras 3 under TensorFlow gives embeddings IndexedSlices gradients; every reduction here is dense."""
-    return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
+class _Stepping(threading.local):
+    def __init__(self) -> None:
+        self.wrappers: set[int] = set()
+
+
+# Each wrapper by the optimizer it wraps; and, per thread, the wrappers inside their own step. An inner
+# optimizer stepped directly (a strategy.run loop under AdasumStrategy steps a plain optimizer, or a
+# script keeps a reference to the optimizer it wrapped) runs its wrapper's step instead
+# (strategy.adasum_for), and the wrapper's own step of it must not be sent round again.
+_WRAPPERS: weakref.WeakKeyDictionary[Any, WrappedOptimizer] = weakref.WeakKeyDictionary()
+_STEPPING = _Stepping()
 
 
 class WrappedOptimizer(keras.optimizers.Optimizer):
@@ -71,6 +80,25 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = inner
         # tf.train.Checkpoint names children by attribute; checkpoints from before the rename say "inner".
         self._track_trackable(inner, name="inner", overwrite=True)
+        _WRAPPERS[inner] = self
+
+    @classmethod
+    def wrapping(cls, optimizer: Any) -> WrappedOptimizer | None:
+        """The wrapper whose inner optimizer `optimizer` is, if any."""
+        return _WRAPPERS.get(optimizer)
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """Marks this thread as inside this wrapper's own step of its inner optimizer."""
+        _STEPPING.wrappers.add(id(self))
+        try:
+            yield
+        finally:
+            _STEPPING.wrappers.discard(id(self))
+
+    def is_stepping(self) -> bool:
+        """Whether this thread is inside this wrapper's own step (its inner optimizer's apply)."""
+        return id(self) in _STEPPING.wrappers
 
     @property
     def inner(self) -> keras.optimizers.Optimizer:
@@ -185,11 +213,6 @@ class _ReplicaStateCheckpoint(tf.train.experimental.PythonState):
             self._state.spread([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
 
 
-# Each AdasumOptimizer by the optimizer it wraps; and, per thread, those inside their local step. A
-# strategy.run loop under AdasumStrategy steps a plain optimizer through its AdasumOptimizer
-# (strategy.adasum_for), which steps the plain one: that inner step must not be sent round again.
-_WRAPPERS: weakref.WeakKeyDictionary[Any, AdasumOptimizer] = weakref.WeakKeyDictionary()
-_STEPPING = threading.local()
 # AdasumOptimizers built before their model's variables had values, each with its flag: False until its
 # first step has broadcast the weights and taken the anchors (_anchor_at_the_first_step).
 _ANCHORED: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
@@ -232,7 +255,6 @@ class AdasumOptimizer(WrappedOptimizer):
         self.compression = check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
         _compat.disable_gradient_sum(inner)
-        _WRAPPERS[inner] = self
         self._replica_state = ReplicaState(self)
         # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
         self.replica_state = _ReplicaStateCheckpoint(self._replica_state)
@@ -312,7 +334,7 @@ class AdasumOptimizer(WrappedOptimizer):
                 list(trainable_variables) if trainable_variables is not None else []
             )
         replicas = context.num_replicas_in_sync
-        grads = [None if g is None else _dense(g) for g in grads]
+        grads = [None if g is None else dense(g) for g in grads]
         if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
             grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
         variables = (
@@ -334,24 +356,6 @@ class AdasumOptimizer(WrappedOptimizer):
                 sync.sync_stats(self),
             ),
         )
-
-    @classmethod
-    def wrapping(cls, optimizer: Any) -> AdasumOptimizer | None:
-        """The AdasumOptimizer whose inner optimizer `optimizer` is, if any."""
-        return _WRAPPERS.get(optimizer)
-
-    @contextlib.contextmanager
-    def _stepping(self) -> Iterator[None]:
-        steps = _STEPPING.__dict__.setdefault("optimizers", set())
-        steps.add(id(self))
-        try:
-            yield
-        finally:
-            steps.discard(id(self))
-
-    def is_stepping(self) -> bool:
-        """Whether this thread is inside this optimizer's local step (its inner optimizer's apply)."""
-        return id(self) in _STEPPING.__dict__.get("optimizers", ())
 
     _REPLICA_KEY = "replicas_of_inner_"
 
@@ -436,7 +440,7 @@ class AllreduceOptimizer(WrappedOptimizer):
             # A rank that ran out of data meets this sync at its epoch end: both raise, neither waits.
             checked = agreement.agree(comm, agreement.SYNC, -1, "gradient allreduce")
             with tf.control_dependencies([checked]):
-                grads = [None if g is None else tf.identity(_dense(g)) for g in grads]
+                grads = [None if g is None else tf.identity(dense(g)) for g in grads]
             present = [i for i, g in enumerate(grads) if g is not None]
             variables = list(trainable_variables) if trainable_variables is not None else None
             names = [variable_name(variables[i]) for i in present] if variables is not None else []
@@ -446,7 +450,8 @@ class AllreduceOptimizer(WrappedOptimizer):
             grads = list(grads)
             for i, g in zip(present, reduced, strict=True):
                 grads[i] = g
-        self.inner_optimizer.apply(grads, trainable_variables)
+        with self._stepping():
+            self.inner_optimizer.apply(grads, trainable_variables)
 
     def get_config(self) -> dict[str, Any]:
         return {**self._config(), "op": self.op.value, "compression": self.compression}

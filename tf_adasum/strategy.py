@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tf_adasum import _compat, distributed, sync
 from tf_adasum.errors import HookError
-from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
 
 
@@ -44,7 +44,12 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     inner = _compat.loss_scale_inner(optimizer)
     if isinstance(inner, AdasumOptimizer):
         return optimizer
-    adasum = AdasumOptimizer.wrapping(inner) or AdasumOptimizer(inner, sync_every=strategy.sync_every)
+    wrapper = WrappedOptimizer.wrapping(inner)
+    adasum = (
+        wrapper
+        if isinstance(wrapper, AdasumOptimizer)
+        else AdasumOptimizer(inner, sync_every=strategy.sync_every)
+    )
     if inner is optimizer:
         return adasum
     return keras.optimizers.LossScaleOptimizer(
@@ -55,21 +60,22 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     )
 
 
-def adasum_for(optimizer: Any, trainable_variables: Any) -> AdasumOptimizer | None:
-    """The AdasumOptimizer whose step a Keras optimizer's apply runs instead, or None for its own
+def adasum_for(optimizer: Any, trainable_variables: Any) -> WrappedOptimizer | None:
+    """The optimizer whose step a Keras optimizer's apply runs instead, or None for its own
     (tf_adasum/__init__.py installs this as _compat.install_optimizer_apply's route).
 
-    Under an AdasumStrategy, in replica context (inside strategy.run), a plain optimizer's step would be
-    MirroredStrategy's mean of gradients; it runs as the inner step of an AdasumOptimizer instead,
-    created and built on the optimizer's first step. An optimizer an AdasumOptimizer already wraps runs
-    as that one's, unless that one is taking its local step now.
+    - An optimizer a tf_adasum wrapper wraps runs as that wrapper's step, unless the wrapper is taking
+      it now: a script that kept the optimizer it wrapped still syncs.
+    - Under an AdasumStrategy, in replica context (inside strategy.run), a plain optimizer's step would
+      be MirroredStrategy's mean of gradients; it runs as the inner step of an AdasumOptimizer instead,
+      created on the optimizer's first step.
     """
+    wrapper = WrappedOptimizer.wrapping(optimizer)
+    if wrapper is not None:
+        return None if wrapper.is_stepping() else wrapper
     strategy = tf.distribute.get_strategy()
     if not isinstance(strategy, AdasumStrategy) or tf.distribute.in_cross_replica_context():
         return None
-    wrapper = AdasumOptimizer.wrapping(optimizer)
-    if wrapper is not None:
-        return None if wrapper.is_stepping() else wrapper
     # Created once, in cross-replica context: every replica's thread meets this merge_call on its first step.
     return tf.distribute.get_replica_context().merge_call(lambda s: s.adasum_optimizer_for(optimizer))
 
@@ -82,8 +88,8 @@ def refuse_gradient_mean(optimizer: Any) -> None:
         raise ValueError(
             f"AdasumStrategy: optimizer {optimizer.name!r} ({type(optimizer).__name__}) would average its "
             "replicas' gradients as MirroredStrategy does, not run Adasum after its step. Wrap it: "
-            f"`optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.{type(optimizer).__name__}(...))`, "
-            "or step it with apply_gradients inside strategy.run"
+            f"`optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.{type(optimizer).__name__}(...))`, and "
+            "step the wrapper"
         )
 
 
@@ -142,10 +148,10 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         """
         return super().num_replicas_in_sync * self.comm.size
 
-    def adasum_optimizer_for(self, optimizer: Any) -> AdasumOptimizer:
+    def adasum_optimizer_for(self, optimizer: Any) -> WrappedOptimizer:
         """The AdasumOptimizer a plain optimizer steps through in a strategy.run loop, created on its first
         step; it builds itself there, eagerly (AdasumOptimizer._build_at_the_first_step)."""
-        wrapper = AdasumOptimizer.wrapping(optimizer)
+        wrapper = WrappedOptimizer.wrapping(optimizer)
         if wrapper is None:
             with tf.init_scope():  # in cross-replica context: eagerly, under this strategy
                 wrapper = AdasumOptimizer(optimizer, sync_every=self.sync_every)

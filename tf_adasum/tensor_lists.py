@@ -17,6 +17,12 @@ from tf_adasum import ops
 Spec = tuple[list[int | None] | None, str]  # a tensor's static shape (None: unknown rank) and dtype name
 
 
+def dense(value: Any) -> Any:
+    """A tensor, with IndexedSlices (an embedding's gradient, in Keras 3 under TensorFlow) made dense:
+    every reduction here, and Adasum above all, needs the whole tensor."""
+    return tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value
+
+
 def tensor_specs(tensors: Sequence[tf.Tensor]) -> list[Spec]:
     """Each tensor's static shape (None when even the rank is unknown) and dtype name."""
     return [(t.shape.as_list() if t.shape.rank is not None else None, t.dtype.name) for t in tensors]

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tf_adasum import agreement, distributed, engine, shared_state, sync
+from tf_adasum.compression import narrows
 from tf_adasum.distributed import Adasum, Average, Sum
 from tf_adasum.engine import (
     cross_rank,
@@ -44,6 +45,7 @@ from tf_adasum.engine import (
     size,
 )
 from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
+from tf_adasum.tensor_lists import dense
 
 __all__ = [
     "Adasum",
@@ -91,7 +93,7 @@ class FP16Compressor:
 
     @staticmethod
     def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        if tensor.dtype in (tf.float32, tf.float64):
+        if narrows(tensor.dtype):
             return tf.cast(tensor, tf.float16), tensor.dtype
         return tensor, None
 
@@ -133,12 +135,6 @@ def reduce_op(where: str, average: bool | None, op: Any) -> distributed.ReduceOp
     return Sum if average is False else Average
 
 
-def _dense(value: Any) -> tf.Tensor:
-    # Sparse gradients (embeddings) are reduced dense, whatever sparse_as_dense says: Adasum needs them
-    # whole, and a dense sum equals Horovod's gathered IndexedSlices once applied.
-    return tf.convert_to_tensor(value)
-
-
 def _scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:
     """tensor * factor; integer tensors are scaled in float64 and cast back, as Horovod scales them."""
     if factor == 1.0:
@@ -171,7 +167,7 @@ def grouped_allreduce(
     unsupported(where, device_dense=(device_dense, ""), device_sparse=(device_sparse, ""))
     unsupported(where, process_set=(process_set, None))
     chosen = reduce_op(where, average, op)
-    compressed = [compression.compress(_dense(t)) for t in tensors]
+    compressed = [compression.compress(tf.convert_to_tensor(dense(t))) for t in tensors]
     items = [c for c, _ in compressed]
     items = [_scaled(t, prescale_factor) for t in items]
     reduced = distributed.allreduce(items, op=chosen, names=names) if items else []
