@@ -70,16 +70,24 @@ def simulate_replicas(
     batches: list[list[tuple[np.ndarray, np.ndarray]]],
     sync_every: int,
     losses: list[float] | None = None,
+    writes: dict[int, list[np.ndarray]] | None = None,
+    after_each_step: list[list[np.ndarray]] | None = None,
 ) -> list[np.ndarray]:
     """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas.
 
-    Each replica's loss before each of its steps is appended to `losses`, when given.
+    Each replica's loss before each of its steps is appended to `losses`, when given. `writes[i]`, when
+    given, is what a user writes into every replica before step i (set_weights, ...): the new weights,
+    from which the window's deltas are then measured, with the optimizer states kept. Replica 0's
+    weights after each step (and its sync) are appended to `after_each_step`, when given.
     """
     anchor = [w.astype(np.float64) for w in start]
     p = len(batches)
     params = [list(anchor) for _ in range(p)]
     replicas = [Replica(kind, anchor) for _ in range(p)]
     for step in range(len(batches[0])):
+        if writes and step in writes:
+            anchor = [w.astype(np.float64) for w in writes[step]]
+            params = [list(anchor) for _ in range(p)]
         for r in range(p):
             x, y = (a.astype(np.float64) for a in batches[r][step])
             if losses is not None:
@@ -89,6 +97,8 @@ def simulate_replicas(
             deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
             anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
             params = [list(anchor) for _ in range(p)]
+        if after_each_step is not None:
+            after_each_step.append(list(params[0]))
     return anchor
 
 
@@ -141,6 +151,73 @@ def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int) -> None:
         for c in components[1:]:
             np.testing.assert_array_equal(c, components[0])  # every replica bitwise the same
     assert int(model.optimizer.iterations.numpy()) == steps
+
+
+def shares(x: np.ndarray, y: np.ndarray, steps: list[int], p: int, local: int) -> list[list[Any]]:
+    """Replica r's share of global batch `s` for each s in `steps`: rows s * p * local + r * local, ..."""
+    rows = [[slice((s * p + r) * local, (s * p + r + 1) * local) for s in steps] for r in range(p)]
+    return [[(x[i], y[i]) for i in replica] for replica in rows]
+
+
+# (how the weights are written, optimizer, replicas, sync_every). Three steps before the write: with
+# sync_every 2 it lands inside a window, after one unsynced step.
+KINDS = ("sgd_momentum", "adam")
+WRITES = [("set_weights", kind, p, k) for kind in KINDS for p in (2, 3) for k in (1, 2)] + [
+    ("assign", "adam", 3, 2),
+    ("assign", "sgd_momentum", 2, 1),
+    ("early_stopping", "sgd_momentum", 3, 2),
+    ("early_stopping", "adam", 2, 1),
+]
+
+
+@pytest.mark.parametrize(("how", "kind", "p", "sync_every"), WRITES)
+def test_weights_written_between_two_fits_are_the_new_weights(
+    how: str, kind: str, p: int, sync_every: int
+) -> None:
+    # As under MirroredStrategy: the written weights on every replica, then Adasum of the steps that
+    # follow. Measured from the anchors of the last sync instead, the write itself would be combined
+    # as if it were every replica's update.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((128, 3)).astype(np.float32)
+    y = rng.standard_normal((128, 2)).astype(np.float32)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(p), sync_every=sync_every)
+    model = build_linear(strategy, lambda: make_inner(kind))
+    start = model.get_weights()
+    local, first = 4, 3
+    then = 4 if how == "early_stopping" else 3  # to end on a sync
+    gb = local * p
+    if how == "early_stopping":
+        # The second epoch cannot improve by min_delta: fit stops there and restores the first's weights.
+        stop = keras.callbacks.EarlyStopping("loss", min_delta=1e9, patience=1, restore_best_weights=True)
+        model.fit(x[: first * gb], y[: first * gb], batch_size=gb, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[stop])  # fmt: skip
+        before = [*range(first), *range(first)]
+    else:
+        model.fit(x[: first * gb], y[: first * gb], batch_size=gb, shuffle=False, verbose=0)
+        before = list(range(first))
+        written = [w + rng.standard_normal(w.shape).astype(np.float32) for w in model.get_weights()]
+        if how == "set_weights":
+            model.set_weights(written)
+        else:
+            for variable, value in zip(model.trainable_variables, written, strict=True):
+                variable.assign(value)
+    written = model.get_weights()
+    rows = slice(first * gb, (first + then) * gb)
+    model.fit(x[rows], y[rows], batch_size=gb, shuffle=False, verbose=0)
+
+    steps = before + list(range(first, first + then))
+    replica_0: list[list[np.ndarray]] = []
+    want = simulate_replicas(kind, start, shares(x, y, steps, p, local), sync_every,
+                             writes={len(before): written}, after_each_step=replica_0)  # fmt: skip
+    if how == "early_stopping":  # EarlyStopping did restore: the first epoch's weights, replica 0's
+        for got, w in zip(written, replica_0[first - 1], strict=True):
+            np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+    atol = 2e-5 if kind == "adam" else 2e-6
+    for got, w in zip(model.get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=2e-5, atol=atol)
+    for components in replica_values(strategy, model):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])
 
 
 def test_adasum_differs_from_mirrored_averaging() -> None:
@@ -376,7 +453,9 @@ def _replica_states(strategy: tf.distribute.Strategy, model: keras.Model) -> lis
     ]
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "save_weights", "backup_and_restore"])
+@pytest.mark.parametrize(
+    "how", ["checkpoint", "checkpoint_after_build", "save_weights", "backup_and_restore"]
+)
 @pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
 @pytest.mark.parametrize("p", [2, 3])
 def test_resuming_equals_training_without_a_break(p: int, kind: str, how: str, tmp_path: Path) -> None:
@@ -407,6 +486,10 @@ def test_resuming_equals_training_without_a_break(p: int, kind: str, how: str, t
             tf.train.Checkpoint(model=after, optimizer=after.optimizer).restore(path)
             with strategy.scope():
                 after.optimizer.build(after.trainable_variables)
+        elif how == "checkpoint_after_build":  # into one that has trained elsewhere: all of it replaced
+            _train(after, x[second][::-1], y[second][::-1], global_batch)
+            path = tf.train.Checkpoint(model=before, optimizer=before.optimizer).save(tmp_path / "ckpt")
+            tf.train.Checkpoint(model=after, optimizer=after.optimizer).restore(path)
         else:
             before.save_weights(tmp_path / "w.weights.h5")
             with strategy.scope():

@@ -126,11 +126,18 @@ class AdasumCallback(_CountsBatches):
         variables = list(model.trainable_variables)
         if not optimizer.built:
             optimizer.build(variables)
-        # The weights as of the last sync, outside the optimizer so that it saves as the user's own.
-        # They get their values at the first batch, after every callback's on_train_begin.
+        # The window's anchors (sync.start_window) and, with sync_every > 1, the weights as the last step
+        # left them, outside the optimizer so that it saves as the user's own. Each fit starts a window
+        # at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
         self._anchors = [
             tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
         ]
+        lasts = (
+            [tf.Variable(tf_variable(v), trainable=False, name="adasum_last") for v in variables]
+            if self.sync_every > 1
+            else None
+        )
+        self._lasts = lasts
         # The sync extends the optimizer that steps, so that a step mixed precision skips for overflow
         # skips the sync too. The skip is decided on every process at once (optimizer.finite_everywhere),
         # since the sync is a collective.
@@ -138,9 +145,11 @@ class AdasumCallback(_CountsBatches):
         every, distribution = self.sync_every, tf.distribute.get_strategy()
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
+            sync.start_window(variables, anchors, stepping.iterations, every, lasts)
             local_step(grads, trainable_variables)
             stats = sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
             sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
+            sync.record_lasts(variables, lasts)
 
         setattr(apply_then_sync, sync.SYNCS, True)
         stepping.apply = apply_then_sync
@@ -152,8 +161,12 @@ class AdasumCallback(_CountsBatches):
         if not self._started:
             # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
             broadcast_model_and_optimizer(self.model, self.root)
+            # This fit's first step opens a window, whatever the iteration count says.
             for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
                 anchor.assign(tf_variable(variable))
+            if self._lasts is not None:
+                for last, variable in zip(self._lasts, self.model.trainable_variables, strict=True):
+                    last.assign(tf_variable(variable))
             self._started = True
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

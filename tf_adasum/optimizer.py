@@ -8,9 +8,10 @@ This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figur
    optimizer's cross-replica gradient sum is switched off; Keras's own update path
    (`extended.update` with per-replica gradients) then steps each replica's copy of every variable
    and of every slot on its device, so momentum and Adam moments stay per replica.
-2. Every `sync_every` steps the deltas since the last sync, `w_replica - w_anchor`, are combined with
-   the contract tree over every replica of every process (sync.sync_if_due); every replica then holds
-   `w_anchor + adasum(deltas)`, bitwise identical.
+2. Every `sync_every` steps the deltas since the window's first step, `w_replica - w_anchor`, are
+   combined with the contract tree over every replica of every process (sync.sync_if_due); every
+   replica then holds `w_anchor + adasum(deltas)`, bitwise identical. The anchors are the weights at the
+   window's first step, or where anything but the optimizer wrote them since (sync.start_window).
 
 Under a strategy Keras scales each replica's loss by 1/N so that summed gradients average; the
 gradients are multiplied back by N, so each local step is exactly a single-worker step on that
@@ -20,7 +21,6 @@ replica's batch.
 from __future__ import annotations
 
 import contextlib
-import io
 import threading
 import warnings
 import weakref
@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
+from tensorflow.core.framework import tensor_pb2
 
 from tf_adasum import _compat, agreement, distributed, sync
 from tf_adasum.compression import check_compression
@@ -197,24 +198,47 @@ class ReplicaState:
                 component.assign(value)
 
 
-class _ReplicaStateCheckpoint(tf.train.experimental.PythonState):
-    """ReplicaState for tf.train.Checkpoint: one string of all replicas' state."""
+class _ReplicaStateCheckpoint(tf.__internal__.tracking.Trackable):
+    """ReplicaState for tf.train.Checkpoint and SavedModel: one string tensor, each of its elements one
+    inner variable's replicas, stacked, as a serialized TensorProto.
+
+    Tensors, not Python state, so that tf.saved_model.save, which traces the save, can write it. It is
+    restored after the inner optimizer's own variables: the restore of a mirrored variable puts its
+    first replica's value into every replica, and this must come after it. TensorFlow restores an
+    object graph breadth first, so this sits deeper than the inner optimizer's variables
+    (_after_the_inner_variables).
+    """
+
+    _KEY = "per_replica"
 
     def __init__(self, state: ReplicaState) -> None:
         self._state = state
 
-    def serialize(self) -> bytes:
-        buffer = io.BytesIO()
-        np.savez(buffer, *self._state.gather())
-        return buffer.getvalue()
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        stacked = [
+            tf.io.serialize_tensor(tf.stack([tf.identity(c) for c in replica_values(v)]))
+            for v in self._state.optimizer.inner_optimizer.variables
+        ]
+        return {self._KEY: tf.stack(stacked) if stacked else tf.constant([], tf.string)}
 
-    def deserialize(self, string_value: bytes) -> None:
-        with np.load(io.BytesIO(string_value)) as arrays:
-            self._state.spread([arrays[f"arr_{i}"] for i in range(len(arrays.files))])
+    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> None:
+        protos = restored_tensors[self._KEY].numpy().tolist()
+        self._state.spread([tf.make_ndarray(tensor_pb2.TensorProto.FromString(p)) for p in protos])
+
+
+def _after_the_inner_variables(trackable: Any) -> Any:
+    """`trackable` three levels down a chain of empty trackables: deeper in the object graph than the
+    inner optimizer's variables (optimizer/inner_optimizer/_variables/N), whether the chain hangs from
+    the AdasumOptimizer or from the plain optimizer it wraps (strategy.adasum_optimizer_for)."""
+    for _ in range(3):
+        node = tf.__internal__.tracking.AutoTrackable()
+        node._track_trackable(trackable, name="then")
+        trackable = node
+    return trackable
 
 
 # AdasumOptimizers built before their model's variables had values, each with its flag: False until its
-# first step has broadcast the weights and taken the anchors (_anchor_at_the_first_step).
+# first step has broadcast the weights (_anchor_at_the_first_step).
 _ANCHORED: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
 
 
@@ -257,7 +281,7 @@ class AdasumOptimizer(WrappedOptimizer):
         _compat.disable_gradient_sum(inner)
         self._replica_state = ReplicaState(self)
         # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
-        self.replica_state = _ReplicaStateCheckpoint(self._replica_state)
+        self.replica_state = _after_the_inner_variables(_ReplicaStateCheckpoint(self._replica_state))
 
     def build(self, var_list: list[Any]) -> None:
         current = tf.distribute.get_strategy()
@@ -279,13 +303,20 @@ class AdasumOptimizer(WrappedOptimizer):
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
             self._replica_state.spread(stacked)
-        # The weights as of the last sync; deltas are measured from here.
+        # The weights at the window's first step (sync.start_window); deltas are measured from here.
         self._anchors = [
             self.add_variable_from_reference(
                 v, name="adasum_anchor", initializer="zeros" if later else _initializer_copying(v)
             )
             for v in var_list
         ]
+        # Inside a window, the weights as the optimizer's last step left them: a write by anything else
+        # re-anchors. Saved with the optimizer, so that a restore mid-window resumes the window.
+        self._lasts = (
+            [self.add_variable_from_reference(v, name="adasum_last", initializer="zeros") for v in var_list]
+            if self.sync_every > 1
+            else []
+        )
         super().build(var_list)
 
     def _build_at_the_first_step(self, var_list: list[Any]) -> None:
@@ -310,14 +341,12 @@ class AdasumOptimizer(WrappedOptimizer):
 
         tf.distribute.get_replica_context().merge_call(build_in_cross_replica_context)
 
-    def _anchor_at_the_first_step(self, distribution: Any, variables: list[Any], anchors: list[Any]) -> None:
-        """The first step that runs broadcasts root's weights and takes the anchors from them (once)."""
+    def _anchor_at_the_first_step(self, distribution: Any, variables: list[Any]) -> None:
+        """The first step that runs broadcasts root's weights (once); start_window then anchors there."""
         anchored = _ANCHORED[self]
 
         def anchor() -> tf.Tensor:
             broadcast_variables(variables, self.root)
-            for target, variable in zip(anchors, variables, strict=True):
-                tf_variable(target).assign(tf_variable(variable))
             anchored.assign(True)
             return tf.constant(True)
 
@@ -340,22 +369,22 @@ class AdasumOptimizer(WrappedOptimizer):
         variables = (
             list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         )
-        anchors = [self._anchors[self._get_variable_index(v)] for v in variables]
+        indices = [self._get_variable_index(v) for v in variables]
+        anchors = [self._anchors[i] for i in indices]
+        lasts = [self._lasts[i] for i in indices] if self._lasts else None
+        iterations, every = self.inner_optimizer.iterations, self.sync_every
         if self in _ANCHORED:
-            context.merge_call(self._anchor_at_the_first_step, args=(variables, anchors))
+            context.merge_call(self._anchor_at_the_first_step, args=(variables,))
+        context.merge_call(lambda _: sync.start_window(variables, anchors, iterations, every, lasts))
         with self._stepping():
             self.inner_optimizer.apply(grads, trainable_variables)
-        context.merge_call(
-            sync.sync_if_due,
-            args=(
-                variables,
-                anchors,
-                self.inner_optimizer.iterations,
-                self.sync_every,
-                self.compression,
-                sync.sync_stats(self),
-            ),
-        )
+
+        def sync_then_record(distribution: Any) -> None:
+            stats = sync.sync_stats(self)
+            sync.sync_if_due(distribution, variables, anchors, iterations, every, self.compression, stats)
+            sync.record_lasts(variables, lasts)
+
+        context.merge_call(sync_then_record)
 
     _REPLICA_KEY = "replicas_of_inner_"
 

@@ -1,9 +1,12 @@
 """The model sync every entry point runs: anchor + Adasum(deltas) every k steps, and what goes with it.
 
 AdasumOptimizer, AdasumCallback (and so tf_adasum.keras's DistributedOptimizer(op=Adasum)) and
-AdasumStrategy all end their optimizer step in sync_if_due: every `sync_every` steps the deltas of
-every replica since the last sync are combined by the contract tree over every replica of every
-process, and every replica takes anchor + the combined delta. Also here: the statistics
+AdasumStrategy all open their optimizer step with start_window and end it in sync_if_due: every
+`sync_every` steps the deltas of every replica since the window's first step are combined by the
+contract tree over every replica of every process, and every replica takes anchor + the combined
+delta. The anchors are taken from the weights at the window's first step, and again wherever
+something other than the optimizer wrote a weight (set_weights, assign, a restore), so the combined
+update is always the sum of the optimizer's own steps. Also here: the statistics
 OrthogonalityMonitor reads, the global overflow decision of mixed precision, which optimizers sync,
 and the argument checks the entry points share.
 """
@@ -87,7 +90,7 @@ def sync_deltas(
     compression: str = "none",
     stats: SyncStats | None = None,
 ) -> tf.Tensor:
-    """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`, and moves the anchors.
+    """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`.
 
     The deltas since the last sync are combined with the contract tree over every replica of every
     process (distributed.allreduce_replicas); every replica and every process then holds the same
@@ -109,13 +112,53 @@ def sync_deltas(
             deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
     if stats is not None:
         stats.record(deltas_sq, squared_norms(delta))
-    for variable, anchor, anchor_value, d in zip(variables, anchors, anchor_values, delta, strict=True):
-        synced = anchor_value + d
-        for target in (variable, anchor):
-            distribution.extended.update(
-                tf_variable(target), lambda var, new: var.assign(new), args=(synced,), group=False
-            )
+    for variable, anchor_value, d in zip(variables, anchor_values, delta, strict=True):
+        distribution.extended.update(
+            tf_variable(variable), lambda var, new: var.assign(new), args=(anchor_value + d,), group=False
+        )
     return tf.constant(True)
+
+
+def start_window(
+    variables: list[Any], anchors: list[Any], iterations: Any, sync_every: int, lasts: list[Any] | None
+) -> None:
+    """Takes the anchors a window of `sync_every` local steps is measured from, before each local step.
+
+    In cross-replica context (or with no strategy), before the optimizer's step; `iterations` is its
+    count of steps so far. Every replica's anchor becomes its own weights:
+    - at the window's first step (every step when sync_every is 1);
+    - and inside a window (sync_every > 1), for each variable that something other than the optimizer
+      wrote since the optimizer's last step: `lasts` holds the weights as that step (or the sync after
+      it) left them (record_lasts), and any difference re-anchors the variable. set_weights, assign,
+      load_weights, a restore, EarlyStopping(restore_best_weights=True) then count as the new weights,
+      as under MirroredStrategy, and the steps before them as overwritten: the sync combines only the
+      optimizer's own steps since. A restore that brings back `lasts` with the weights (the optimizer's
+      checkpoint) resumes the window where it was.
+    Costs: one copy of the weights per step, where the sync used to move the anchors; with
+    sync_every > 1 also one comparison with `lasts` and one copy into it, and `lasts` holds one more
+    copy of the weights.
+    """
+    if sync_every == 1 or lasts is None:
+        for variable, anchor in zip(variables, anchors, strict=True):
+            for target, value in zip(replica_values(anchor), replica_values(variable), strict=True):
+                target.assign(tf.identity(value))
+        return
+    opens = tf.equal(tf.math.floormod(iterations, sync_every), 0)
+    for variable, anchor, last in zip(variables, anchors, lasts, strict=True):
+        targets, values, recorded = replica_values(anchor), replica_values(variable), replica_values(last)
+        for target, value, before in zip(targets, values, recorded, strict=True):
+            value = tf.identity(value)
+            written = tf.reduce_any(tf.not_equal(value, tf.identity(before)))
+            target.assign(tf.where(tf.logical_or(opens, written), value, tf.identity(target)))
+
+
+def record_lasts(variables: list[Any], lasts: list[Any] | None) -> None:
+    """After the local step and its sync: the weights as the optimizer left them, for start_window."""
+    if lasts is None:
+        return
+    for variable, last in zip(variables, lasts, strict=True):
+        for target, value in zip(replica_values(last), replica_values(variable), strict=True):
+            target.assign(tf.identity(value))
 
 
 def sync_if_due(
