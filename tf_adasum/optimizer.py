@@ -138,8 +138,17 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
             return
         super().load_own_variables(store)
 
+    # The first key of the saved config: where tf_adasum is not imported, Keras's "Could not locate
+    # class" error prints the config, and this says what to do.
+    LOADING = "loading"
+    LOADING_ADVICE = (
+        "this optimizer is tf_adasum's: `import tf_adasum` before keras.models.load_model, or load the "
+        "model without it, for inference, with keras.models.load_model(path, compile=False)"
+    )
+
     def _config(self) -> dict[str, Any]:
         return {
+            self.LOADING: self.LOADING_ADVICE,
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
         }
@@ -147,6 +156,7 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
         config = dict(config)
+        config.pop(cls.LOADING, None)
         serialized = config.pop("inner_optimizer") if "inner_optimizer" in config else config.pop("inner")
         inner = keras.saving.deserialize_keras_object(serialized, custom_objects=custom_objects)
         return cls(inner, **config)
@@ -221,9 +231,30 @@ class _ReplicaStateCheckpoint(tf.__internal__.tracking.Trackable):
         ]
         return {self._KEY: tf.stack(stacked) if stacked else tf.constant([], tf.string)}
 
-    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> None:
+    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
+        if not tf.executing_eagerly():  # a restore traced into a graph: nothing to spread from here
+            warnings.warn(
+                "tf_adasum: a graph-mode restore cannot spread every replica's optimizer state; every "
+                "replica keeps replica 0's",
+                stacklevel=2,
+            )
+            return tf.no_op()
         protos = restored_tensors[self._KEY].numpy().tolist()
         self._state.spread([tf.make_ndarray(tensor_pb2.TensorProto.FromString(p)) for p in protos])
+
+
+class _CheckpointsOnly(tf.__internal__.tracking.AutoTrackable):
+    """A node of tf.train.Checkpoint's object graph that SavedModels leave out.
+
+    A SavedModel loads as generic objects, without tf_adasum and without replicas, so every replica's
+    optimizer state means nothing there; and tf.saved_model.save could not write it, since it saves
+    copies of the variables in a graph of its own.
+    """
+
+    def _trackable_children(self, save_type: Any = "checkpoint", **kwargs: Any) -> dict[str, Any]:
+        if save_type == "savedmodel":
+            return {}
+        return super()._trackable_children(save_type, **kwargs)
 
 
 def _after_the_inner_variables(trackable: Any) -> Any:
@@ -231,7 +262,7 @@ def _after_the_inner_variables(trackable: Any) -> Any:
     inner optimizer's variables (optimizer/inner_optimizer/_variables/N), whether the chain hangs from
     the AdasumOptimizer or from the plain optimizer it wraps (strategy.adasum_optimizer_for)."""
     for _ in range(3):
-        node = tf.__internal__.tracking.AutoTrackable()
+        node = _CheckpointsOnly()
         node._track_trackable(trackable, name="then")
         trackable = node
     return trackable
