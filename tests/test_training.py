@@ -220,6 +220,27 @@ def test_weights_written_between_two_fits_are_the_new_weights(
             np.testing.assert_array_equal(c, components[0])
 
 
+def test_a_model_compiled_outside_the_scope_trains_as_one_compiled_inside() -> None:
+    # MirroredStrategy trains this (a slot-less optimizer, by name, created outside the scope); so must
+    # AdasumStrategy, with Adasum, not refuse it at the first step.
+    x, y, w, b = problem()
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    models = []
+    for inside in (True, False):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.set_weights([w, b])
+            if inside:
+                model.compile(optimizer="sgd", loss="mse")
+        if not inside:
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(x[:32], y[:32], batch_size=8, shuffle=False, verbose=0)
+        assert isinstance(model.optimizer, tf_adasum.AdasumOptimizer)
+        models.append(model)
+    for inside, outside in zip(*(m.get_weights() for m in models), strict=True):
+        np.testing.assert_array_equal(outside, inside)
+
+
 def test_adasum_differs_from_mirrored_averaging() -> None:
     # The same run under MirroredStrategy (gradient mean) ends elsewhere: the test above can fail.
     x, y, _, _ = problem()

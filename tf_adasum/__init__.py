@@ -74,9 +74,17 @@ __version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproj
 _compat.warn_at_import()
 # compile() resolves its optimizer through keras.optimizers.get: under an AdasumStrategy, AdasumOptimizer.
 _compat.install_optimizer_get(strategy.wrap_under_adasum_strategy)
-# Keras's train and test functions: tf_adasum's errors translated, and XLA off where a step syncs.
+
+
+def _before_train_function(model: object) -> None:
+    strategy.adopt_optimizer_compiled_outside(model)
+    sync.without_xla(model)
+
+
+# Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
+# compiled outside an AdasumStrategy's scope made an AdasumOptimizer, and XLA off where a step syncs.
 _compat.install_step_hooks(
-    functools.partial(errors.translate_errors, current_comm=engine.current), sync.without_xla
+    functools.partial(errors.translate_errors, current_comm=engine.current), _before_train_function
 )
 # Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
 _compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)

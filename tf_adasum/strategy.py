@@ -60,6 +60,31 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     )
 
 
+def adopt_optimizer_compiled_outside(model: Any) -> None:
+    """Makes the optimizer of a model created under an AdasumStrategy but compiled outside its scope an
+    AdasumOptimizer, as compile() inside the scope would have (tf_adasum/__init__.py calls this before
+    Keras makes a train function, so at each fit, eagerly).
+
+    MirroredStrategy trains such a model when compile() was given a name ("sgd"), whose optimizer it
+    creates outside the scope; so does this, with a copy of that optimizer made under the scope, from
+    its config. (An optimizer object created outside the scope fails under both, in Keras's first
+    build, with TensorFlow's "Mixing different tf.distribute.Strategy objects".) Before the first
+    fit, the optimizer has not stepped: the copy loses nothing.
+    """
+    strategy = getattr(model, "distribute_strategy", None)
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(strategy, AdasumStrategy) or not isinstance(optimizer, keras.optimizers.Optimizer):
+        return
+    inner = _compat.loss_scale_inner(optimizer)
+    if isinstance(inner, WrappedOptimizer) or _compat.strategy_of(inner) is strategy:
+        return  # compiled inside the scope; AdasumStrategy.run refuses what does not combine with Adasum
+    with strategy.scope():
+        copy = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+        model.optimizer = wrap_under_adasum_strategy(copy)
+        if all(bool(v.value.is_initialized()) for v in model.trainable_variables):
+            model.optimizer.build(model.trainable_variables)
+
+
 def adasum_for(optimizer: Any, trainable_variables: Any) -> WrappedOptimizer | None:
     """The optimizer whose step a Keras optimizer's apply runs instead, or None for its own
     (tf_adasum/__init__.py installs this as _compat.install_optimizer_apply's route).
