@@ -268,6 +268,24 @@ def strategy_fit(out: Path) -> None:
     (out / f"contexts{comm.rank}.json").write_text(json.dumps(contexts))
 
     mixed_precision(out, comm.rank)
+    writes(out, comm.rank)
+
+
+# Across processes: (how, optimizer, sync_every) for test_training.fit_write_fit on one replica each.
+PROCESS_WRITES = (("set_weights", "adam", 2), ("early_stopping", "sgd_momentum", 1))
+
+
+def writes(out: Path, rank: int) -> None:
+    """Weights written between two fits, on two processes: the new weights, then Adasum of what follows."""
+    from tests.test_training import fit_write_fit
+
+    for how, kind, sync_every in PROCESS_WRITES:
+        model, start, written, steps, at = fit_write_fit(
+            tf_adasum.AdasumStrategy(sync_every=sync_every), how, kind, 2
+        )
+        np.savez(out / f"writes_{how}{rank}.npz", *model.get_weights())
+        np.savez(out / f"writes_{how}_run{rank}.npz", *start, *written)
+        (out / f"writes_{how}_run{rank}.json").write_text(json.dumps({"steps": steps, "at": at}))
 
 
 def mixed_precision(out: Path, rank: int) -> None:

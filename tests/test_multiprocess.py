@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle, processes
-from tests.mp_worker import SHAPES, local_counts, rank_tensors, replica_tensors, saved
+from tests.mp_worker import PROCESS_WRITES, SHAPES, local_counts, rank_tensors, replica_tensors, saved
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 
@@ -141,7 +141,7 @@ def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])
 def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
-    from tests.test_training import problem, simulate, simulate_replicas
+    from tests.test_training import check_fit_write_fit, problem, simulate, simulate_replicas
 
     code = launch(engine, 2, tmp_path, "strategy")
     assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
@@ -198,6 +198,17 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
         for mine, theirs in zip(*ranks, strict=True):
             assert np.all(np.isfinite(mine))
             np.testing.assert_array_equal(mine, theirs)
+
+    # Weights written between two fits (set_weights inside a window, EarlyStopping's restore): the
+    # written weights everywhere, then Adasum of the steps that follow, as on two local replicas.
+    for how, kind, sync_every in PROCESS_WRITES:
+        ranks = [list(np.load(tmp_path / f"writes_{how}{r}.npz").values()) for r in range(2)]
+        for mine, theirs in zip(*ranks, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+        saved = list(np.load(tmp_path / f"writes_{how}_run0.npz").values())
+        run = json.loads((tmp_path / f"writes_{how}_run0.json").read_text())
+        start, written = saved[:2], saved[2:]
+        check_fit_write_fit(ranks[0], how, kind, 2, sync_every, (start, written, run["steps"], run["at"]))
 
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])

@@ -159,8 +159,7 @@ def shares(x: np.ndarray, y: np.ndarray, steps: list[int], p: int, local: int) -
     return [[(x[i], y[i]) for i in replica] for replica in rows]
 
 
-# (how the weights are written, optimizer, replicas, sync_every). Three steps before the write: with
-# sync_every 2 it lands inside a window, after one unsynced step.
+# (how the weights are written, optimizer, replicas, sync_every), for fit_write_fit.
 KINDS = ("sgd_momentum", "adam")
 WRITES = [("set_weights", kind, p, k) for kind in KINDS for p in (2, 3) for k in (1, 2)] + [
     ("assign", "adam", 3, 2),
@@ -170,22 +169,22 @@ WRITES = [("set_weights", kind, p, k) for kind in KINDS for p in (2, 3) for k in
 ]
 
 
-@pytest.mark.parametrize(("how", "kind", "p", "sync_every"), WRITES)
-def test_weights_written_between_two_fits_are_the_new_weights(
-    how: str, kind: str, p: int, sync_every: int
-) -> None:
-    # As under MirroredStrategy: the written weights on every replica, then Adasum of the steps that
-    # follow. Measured from the anchors of the last sync instead, the write itself would be combined
-    # as if it were every replica's update.
+def written_data() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((128, 3)).astype(np.float32)
-    y = rng.standard_normal((128, 2)).astype(np.float32)
-    strategy = tf_adasum.AdasumStrategy(devices=cpus(p), sync_every=sync_every)
+    return rng.standard_normal((128, 3)).astype(np.float32), rng.standard_normal((128, 2)).astype(np.float32)
+
+
+def fit_write_fit(strategy: tf.distribute.Strategy, how: str, kind: str, replicas: int) -> tuple[Any, ...]:
+    """fit, a write into the weights by `how`, fit again: the model, its start, what was written, the
+    global batches run, and how many ran before the write. Three steps before the write: with
+    sync_every 2 it lands inside a window, after one unsynced step. Across processes every process
+    runs this on the same data, and the strategy hands each its share."""
+    x, y = written_data()
     model = build_linear(strategy, lambda: make_inner(kind))
     start = model.get_weights()
     local, first = 4, 3
     then = 4 if how == "early_stopping" else 3  # to end on a sync
-    gb = local * p
+    gb = local * replicas
     if how == "early_stopping":
         # The second epoch cannot improve by min_delta: fit stops there and restores the first's weights.
         stop = keras.callbacks.EarlyStopping("loss", min_delta=1e9, patience=1, restore_best_weights=True)
@@ -195,7 +194,8 @@ def test_weights_written_between_two_fits_are_the_new_weights(
     else:
         model.fit(x[: first * gb], y[: first * gb], batch_size=gb, shuffle=False, verbose=0)
         before = list(range(first))
-        written = [w + rng.standard_normal(w.shape).astype(np.float32) for w in model.get_weights()]
+        rng = np.random.default_rng(2)  # the same on every process (inside a window, weights are not)
+        written = [w + rng.standard_normal(w.shape).astype(np.float32) for w in start]
         if how == "set_weights":
             model.set_weights(written)
         else:
@@ -204,17 +204,36 @@ def test_weights_written_between_two_fits_are_the_new_weights(
     written = model.get_weights()
     rows = slice(first * gb, (first + then) * gb)
     model.fit(x[rows], y[rows], batch_size=gb, shuffle=False, verbose=0)
+    return model, start, written, before + list(range(first, first + then)), len(before)
 
-    steps = before + list(range(first, first + then))
+
+def check_fit_write_fit(
+    got: list[np.ndarray], how: str, kind: str, p: int, sync_every: int, run: tuple[Any, ...]
+) -> None:
+    """`got`, the weights after fit_write_fit on p replicas, against the simulation."""
+    start, written, steps, at = run
+    x, y = written_data()
     replica_0: list[list[np.ndarray]] = []
-    want = simulate_replicas(kind, start, shares(x, y, steps, p, local), sync_every,
-                             writes={len(before): written}, after_each_step=replica_0)  # fmt: skip
+    want = simulate_replicas(kind, start, shares(x, y, steps, p, 4), sync_every,
+                             writes={at: written}, after_each_step=replica_0)  # fmt: skip
     if how == "early_stopping":  # EarlyStopping did restore: the first epoch's weights, replica 0's
-        for got, w in zip(written, replica_0[first - 1], strict=True):
-            np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+        for w, r in zip(written, replica_0[2], strict=True):
+            np.testing.assert_allclose(w, r, rtol=2e-5, atol=2e-5)
     atol = 2e-5 if kind == "adam" else 2e-6
-    for got, w in zip(model.get_weights(), want, strict=True):
-        np.testing.assert_allclose(got, w, rtol=2e-5, atol=atol)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=atol)
+
+
+@pytest.mark.parametrize(("how", "kind", "p", "sync_every"), WRITES)
+def test_weights_written_between_two_fits_are_the_new_weights(
+    how: str, kind: str, p: int, sync_every: int
+) -> None:
+    # As under MirroredStrategy: the written weights on every replica, then Adasum of the steps that
+    # follow. Measured from the anchors of the last sync instead, the write itself would be combined
+    # as if it were every replica's update.
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(p), sync_every=sync_every)
+    model, *run = fit_write_fit(strategy, how, kind, p)
+    check_fit_write_fit(model.get_weights(), how, kind, p, sync_every, tuple(run))
     for components in replica_values(strategy, model):
         for c in components[1:]:
             np.testing.assert_array_equal(c, components[0])
@@ -239,6 +258,22 @@ def test_a_model_compiled_outside_the_scope_trains_as_one_compiled_inside() -> N
         models.append(model)
     for inside, outside in zip(*(m.get_weights() for m in models), strict=True):
         np.testing.assert_array_equal(outside, inside)
+
+
+def test_a_replica_whose_update_is_not_finite_stops_fit_naming_it_and_the_variable() -> None:
+    # The cross-process sync's error, on local replicas too: not the kernel's InvalidArgumentError,
+    # which names neither.
+    x, y, _, _ = problem()
+    x = x[:16].copy()
+    x[5] = 1e30  # in replica 1's share of the first global batch: its gradient overflows float32
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+    with pytest.raises(tf_adasum.NonFiniteUpdateError) as raised:
+        model.fit(x, y[:16], batch_size=8, shuffle=False, verbose=0)
+    message = str(raised.value)
+    assert "the update of replica(s) [1] is not finite" in message, message
+    assert "replica 1: tensor 0 of 2 (sequential/dense/kernel) holds NaN or Inf" in message, message
+    assert "lower the learning rate, clip the gradients" in message, message
 
 
 def test_adasum_differs_from_mirrored_averaging() -> None:

@@ -42,6 +42,12 @@ from tf_adasum.tensor_lists import (
     tensor_specs,
 )
 
+NONFINITE_ADVICE = (
+    "Look for a diverging loss or a bad batch (keras.callbacks.TerminateOnNaN stops on the loss): lower "
+    "the learning rate, clip the gradients (clipnorm=...), or use loss scaling under mixed precision"
+)
+
+
 SYNC, EPOCH_END, LOSS_SCALE = 0, 1, 2
 # The collectives a host transport announces (announce): MPI matches collectives by order alone, so a
 # rank at one and a rank at another would exchange mismatched messages (MPI_ERR_TRUNCATE, a crash).
@@ -140,8 +146,7 @@ def raise_unless_agreed(table: np.ndarray, count: int = 0, names: Sequence[str] 
         where = "; ".join(f"rank {r}: {describe_tensor(i, count, names)}" for r, i in bad)
         raise NonFiniteUpdateError(
             f"the update of rank(s) {[r for r, _ in bad]} is not finite ({where} holds NaN or Inf); every "
-            "rank stops at this step. Look for a diverging loss or a bad batch on that rank "
-            "(keras.callbacks.TerminateOnNaN stops on the loss), or lower the learning rate"
+            f"rank stops at this step. {NONFINITE_ADVICE}"
         )
 
 
@@ -221,6 +226,41 @@ def first_nonfinite_in_replicas(per_replica: Sequence[Sequence[tf.Tensor]]) -> t
         return int(bad[0]) if bad.size else -1
     first = tf.argmin(tf.cast(finite, tf.int32), output_type=tf.int64)
     return tf.where(tf.reduce_all(finite), tf.constant(-1, tf.int64), first)
+
+
+def finite_replicas(
+    per_replica: Sequence[Sequence[tf.Tensor]], names: Sequence[str] | None = None
+) -> list[list[tf.Tensor]]:
+    """A process's replicas' tensors, after raising NonFiniteUpdateError if any holds NaN or Inf.
+
+    The error names every replica and the first tensor of each that is not finite. One norm kernel
+    per replica and dtype; inside tf.function the error is raised by a host call that runs only then.
+    """
+    if not per_replica or not per_replica[0]:
+        return [list(r) for r in per_replica]
+    count = len(per_replica[0])
+    finite = tf.math.is_finite(tf.stack([squared_norms(list(r)) for r in per_replica]))
+
+    def raise_naming(table: np.ndarray) -> np.ndarray:
+        bad = [(r, int(np.flatnonzero(~row)[0])) for r, row in enumerate(table) if not row.all()]
+        if bad:
+            where = "; ".join(f"replica {r}: {describe_tensor(i, count, names)}" for r, i in bad)
+            raise NonFiniteUpdateError(
+                f"the update of replica(s) {[r for r, _ in bad]} is not finite ({where} holds NaN or "
+                f"Inf); every replica stops at this step. {NONFINITE_ADVICE}"
+            )
+        return np.asarray(True)
+
+    if tf.executing_eagerly():
+        raise_naming(finite.numpy())
+        return [list(r) for r in per_replica]
+    checked = tf.cond(
+        tf.reduce_all(finite),
+        lambda: tf.constant(True),
+        lambda: tf.reshape(tf.numpy_function(raise_naming, [finite], tf.bool, stateful=True), []),
+    )
+    with tf.control_dependencies([checked]):
+        return [[tf.identity(t) for t in r] for r in per_replica]
 
 
 def check_same_on_all_ranks(

@@ -153,7 +153,9 @@ def allreduce_replicas(
     comm = init()
     local = [[tf.convert_to_tensor(t) for t in r] for r in per_replica]
     if comm.size == 1:
-        return adasum_tree(local)
+        # Checked before the tree, whose kernels would stop at the first bad pair naming neither the
+        # replica nor the variable.
+        return adasum_tree(agreement.finite_replicas(local, names) if len(local) > 1 else local)
     # One metadata round for all of it, so that every process raises the same error.
     counts = agreement.check_replicas_everywhere(comm, local, names)
     if max(counts) > 1:
