@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/bench_fit.py [--replicas 2 4] [--steps 40]            # local logical CPUs
+    python benchmarks/bench_fit.py --sync-every 1 2                         # local, each sync_every
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
     mpirun -np 2 python benchmarks/bench_fit.py --scripts                   # existing-script entry points
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --scripts
@@ -104,7 +105,9 @@ def fit_step_ms(
     warmup: int = 5,
     wrap: Any = None,
     callbacks: list[Any] | None = None,
+    memory: dict[str, float] | None = None,
 ) -> float:
+    """The median step time (ms); with `memory`, also the optimizer's state in MB, every replica's."""
     import keras
 
     x, y = data(kind, global_batch * (steps + warmup))
@@ -134,6 +137,9 @@ def fit_step_ms(
         verbose=0,
         callbacks=[*(callbacks or []), Timer()],
     )
+    if memory is not None:
+        components = [c for v in model.optimizer.variables for c in getattr(v.value, "values", (v.value,))]
+        memory["optimizer_mb"] = sum(c.shape.num_elements() * c.dtype.size for c in components) / 1e6
     return 1e3 * statistics.median(times)
 
 
@@ -285,6 +291,9 @@ def main() -> None:
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn", "resnet"], choices=["mlp", "cnn", "resnet"]
     )
+    parser.add_argument(
+        "--sync-every", type=int, nargs="+", default=[1], help="local: AdasumStrategy(sync_every=...)"
+    )
     parser.add_argument("--local-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--processes", action="store_true", help="run under tf_adasum.run or mpirun")
@@ -351,10 +360,19 @@ def main() -> None:
                 devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
             )
             baseline = fit_step_ms(mirrored, kind, global_batch, args.steps)
-            adasum = fit_step_ms(tf_adasum.AdasumStrategy(devices), kind, global_batch, args.steps)
-            row = {"model": kind, "replicas": replicas, "mirrored_ms": round(baseline, 2)}
-            row |= {"adasum_ms": round(adasum, 2), "ratio": round(adasum / baseline, 2)}
-            print(json.dumps(row), flush=True)
+            for every in args.sync_every:
+                memory: dict[str, float] = {}
+                adasum = fit_step_ms(
+                    tf_adasum.AdasumStrategy(devices, sync_every=every), kind, global_batch, args.steps,
+                    memory=memory,
+                )  # fmt: skip
+                row = {"model": kind, "replicas": replicas, "sync_every": every}
+                row |= {"mirrored_ms": round(baseline, 2), "adasum_ms": round(adasum, 2)}
+                row |= {
+                    "ratio": round(adasum / baseline, 2),
+                    "optimizer_mb": round(memory["optimizer_mb"], 1),
+                }
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

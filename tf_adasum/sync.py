@@ -134,22 +134,42 @@ def start_window(
       as under MirroredStrategy, and the steps before them as overwritten: the sync combines only the
       optimizer's own steps since. A restore that brings back `lasts` with the weights (the optimizer's
       checkpoint) resumes the window where it was.
-    Costs: one copy of the weights per step, where the sync used to move the anchors; with
-    sync_every > 1 also one comparison with `lasts` and one copy into it, and `lasts` holds one more
-    copy of the weights.
+    Costs: with sync_every 1, one copy of the weights per step, where the sync used to move the anchors;
+    with sync_every > 1, one copy at the window's first step, and at every step one comparison with
+    `lasts` and one copy into it; `lasts` holds one more copy of the weights.
     """
+    pairs = [
+        (target, value)
+        for variable, anchor in zip(variables, anchors, strict=True)
+        for target, value in zip(replica_values(anchor), replica_values(variable), strict=True)
+    ]
+
+    def anchor_all() -> tf.Tensor:
+        for target, value in pairs:
+            target.assign(tf.identity(value))
+        return tf.constant(True)
+
     if sync_every == 1 or lasts is None:
-        for variable, anchor in zip(variables, anchors, strict=True):
-            for target, value in zip(replica_values(anchor), replica_values(variable), strict=True):
-                target.assign(tf.identity(value))
+        anchor_all()
         return
+    recorded = [before for last in lasts for before in replica_values(last)]
+
+    def anchor_the_written() -> tf.Tensor:
+        # One comparison per variable and replica; the anchors are rewritten only where one differs.
+        written = [
+            tf.reduce_any(tf.not_equal(tf.identity(value), tf.identity(before)))
+            for (_, value), before in zip(pairs, recorded, strict=True)
+        ]
+
+        def reanchor() -> tf.Tensor:
+            for (target, value), changed in zip(pairs, written, strict=True):
+                target.assign(tf.where(changed, tf.identity(value), tf.identity(target)))
+            return tf.constant(True)
+
+        return tf.cond(tf.reduce_any(tf.stack(written)), reanchor, lambda: tf.constant(False))
+
     opens = tf.equal(tf.math.floormod(iterations, sync_every), 0)
-    for variable, anchor, last in zip(variables, anchors, lasts, strict=True):
-        targets, values, recorded = replica_values(anchor), replica_values(variable), replica_values(last)
-        for target, value, before in zip(targets, values, recorded, strict=True):
-            value = tf.identity(value)
-            written = tf.reduce_any(tf.not_equal(value, tf.identity(before)))
-            target.assign(tf.where(tf.logical_or(opens, written), value, tf.identity(target)))
+    tf.cond(opens, anchor_all, anchor_the_written)
 
 
 def record_lasts(variables: list[Any], lasts: list[Any] | None) -> None:
