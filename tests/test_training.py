@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +273,10 @@ def test_a_replica_whose_update_is_not_finite_stops_fit_naming_it_and_the_variab
         model.fit(x, y[:16], batch_size=8, shuffle=False, verbose=0)
     message = str(raised.value)
     assert "the update of replica(s) [1] is not finite" in message, message
-    assert "replica 1: tensor 0 of 2 (sequential/dense/kernel) holds NaN or Inf" in message, message
+    # Keras numbers the layers of later models: sequential_3/dense_3/kernel.
+    assert re.search(
+        r"replica 1: tensor 0 of 2 \(sequential\w*/dense\w*/kernel\) holds NaN or Inf", message
+    ), message
     assert "lower the learning rate, clip the gradients" in message, message
 
 
