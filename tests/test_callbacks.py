@@ -75,9 +75,10 @@ def test_learning_rate_schedule_callback_follows_horovods_formula() -> None:
     record = RecordRates()
     schedule = hvd.callbacks.LearningRateScheduleCallback(0.8, multiplier=0.5, start_epoch=1, end_epoch=3)
     history = model.fit(x, y, batch_size=16, epochs=4, verbose=0, callbacks=[schedule, record])
-    # Epoch 0: not adjusted yet; epochs 1 and 2: 0.8 * 0.5**epoch at their first batch; then left alone.
-    assert record.rates == pytest.approx([1.0] * 4 + [0.4] * 4 + [0.2] * 4 + [0.2] * 4)
-    assert history.history["lr"] == pytest.approx([1.0, 0.4, 0.2, 0.2])
+    # Epoch 0: not adjusted yet; epochs 1 and 2: 0.8 * 0.5 ** (epoch - start_epoch) at their first batch
+    # (Horovod's formula since 2021; before, ** epoch); then left alone.
+    assert record.rates == pytest.approx([1.0] * 4 + [0.8] * 4 + [0.4] * 4 + [0.4] * 4)
+    assert history.history["lr"] == pytest.approx([1.0, 0.8, 0.4, 0.4])
 
     record = RecordRates()
     smooth = hvd.callbacks.LearningRateScheduleCallback(1.0, multiplier=lambda e: e, staircase=False)

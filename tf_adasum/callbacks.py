@@ -237,8 +237,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     Args:
         initial_lr: the base learning rate.
-        multiplier: a constant (the rate becomes `initial_lr * multiplier ** epoch`) or a function of
-            the (fractional) epoch.
+        multiplier: a constant (the rate becomes `initial_lr * multiplier ** (epoch - start_epoch)`, as
+            in Horovod since 2021) or a function of the (fractional) epoch.
         start_epoch: the first epoch to adjust (inclusive).
         end_epoch: the epoch to stop adjusting at (exclusive); None for no end.
         staircase: adjust once at the start of each epoch; otherwise every batch, with a fractional epoch.
@@ -265,7 +265,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if initial_lr is None:
             raise ValueError("Parameter `initial_lr` is required")
         self.initial_lr = initial_lr
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier**epoch)
+        self.multiplier = (
+            multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
+        )
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
