@@ -247,3 +247,68 @@ def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.Monk
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
     assert len(traced_syncs) - after_a_failure == after_a_failure  # one sync per step, not two
     assert "apply" not in vars(optimizer)
+
+
+# horovod.tensorflow.keras 0.28.1's public names (dir() of the module, less the modules it imports and
+# its is_version_greater_equal_than helper), and those of its callbacks module.
+HOROVOD_KERAS_NAMES = (
+    "Average Compression DistributedOptimizer ProcessSet Sum add_process_set allgather allreduce broadcast "
+    "broadcast_global_variables callbacks ccl_built cross_rank cross_size cuda_built ddl_built elastic "
+    "global_process_set gloo_built gloo_enabled init is_initialized load_model local_rank local_size "
+    "mpi_built mpi_enabled mpi_threads_supported nccl_built rank reducescatter remove_process_set "
+    "rocm_built shutdown size start_timeline stop_timeline"
+).split()
+HOROVOD_KERAS_CALLBACKS = (
+    "BestModelCheckpoint BroadcastGlobalVariablesCallback LearningRateScheduleCallback "
+    "LearningRateWarmupCallback MetricAverageCallback"
+).split()
+
+
+def test_every_name_of_horovods_keras_module_exists_and_says_what_it_does() -> None:
+    assert len(HOROVOD_KERAS_NAMES) == 37
+    missing = [n for n in HOROVOD_KERAS_NAMES if not hasattr(hvd, n)]
+    missing += [f"callbacks.{n}" for n in HOROVOD_KERAS_CALLBACKS if not hasattr(hvd.callbacks, n)]
+    assert not missing, missing
+    assert set(HOROVOD_KERAS_NAMES) <= set(hvd.__all__)
+    hvd.init()
+    # Capability queries, as Horovod answers them for what runs here.
+    assert hvd.mpi_built() is True  # mpi4py is installed
+    assert hvd.mpi_enabled() is False and hvd.mpi_threads_supported() is False  # the single engine
+    assert (hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built()) == (False, False, 0)
+    assert (hvd.ddl_built(), hvd.ccl_built(), hvd.rocm_built()) == (False, False, False)
+    assert hvd.cuda_built() is False  # this CPU build of the ops
+    # The rest: implemented, or an error that names it and the alternative.
+    with pytest.raises(NotImplementedError, match=r"elastic training .* not supported.*BackupAndRestore"):
+        hvd.elastic.run(lambda state: None)
+    with pytest.raises(NotImplementedError, match=r"elastic\.KerasState"):
+        hvd.elastic.KerasState(keras.Sequential())
+    with pytest.raises(NotImplementedError, match=r"tf\.profiler\.experimental\.start"):
+        hvd.start_timeline("timeline.json")
+    with pytest.raises(NotImplementedError, match="every collective runs over all processes"):
+        hvd.ProcessSet([0])
+    with pytest.raises(NotImplementedError, match="every collective runs over all processes"):
+        hvd.add_process_set([0])
+    with pytest.raises(NotImplementedError, match=r"hvd.broadcast_variables\(model.variables, root_rank=0\)"):
+        hvd.broadcast_global_variables(0)
+    # global_process_set is every rank, and accepted where Horovod takes process_set=.
+    assert hvd.global_process_set.ranks == [0] and hvd.global_process_set.included()
+    value = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    np.testing.assert_array_equal(
+        tf_adasum.tensorflow.allreduce(value, process_set=hvd.global_process_set), value
+    )
+    np.testing.assert_array_equal(hvd.reducescatter(value, op=hvd.Sum), value)  # one process: all rows
+    with pytest.raises(NotImplementedError, match="reducescatter"):
+        hvd.reducescatter(value, op=hvd.Adasum)
+
+
+def test_best_model_checkpoint_keeps_the_best_model(tmp_path: Path) -> None:
+    x, y, _, _ = problem()
+    with pytest.raises(ValueError, match="pass filepath="):
+        build_linear(tf.distribute.get_strategy(), lambda: make_inner("adam")).fit(
+            x, y, epochs=1, verbose=0, callbacks=[hvd.callbacks.BestModelCheckpoint(monitor="loss")]
+        )
+    model = build_linear(tf.distribute.get_strategy(), lambda: make_inner("adam"))
+    best = hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=str(tmp_path / "best.keras"))
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[best])
+    assert best.save_best_only and (tmp_path / "best.keras").exists()
+    assert best.best == pytest.approx(min(history.history["loss"]))

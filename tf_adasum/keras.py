@@ -28,17 +28,34 @@ from tf_adasum.tensorflow import (
     Adasum,
     Average,
     Compression,
+    ProcessSet,
     Sum,
+    add_process_set,
     broadcast_variables,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    elastic,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    remove_process_set,
+    rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     unsupported,
 )
 
@@ -47,22 +64,41 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "ProcessSet",
     "Sum",
+    "add_process_set",
     "allgather",
     "allreduce",
     "broadcast",
+    "broadcast_global_variables",
     "broadcast_variables",
     "callbacks",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
     "init",
     "is_initialized",
     "load_model",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 
@@ -97,6 +133,21 @@ def allgather(value: Any, name: str | None = None) -> tf.Tensor:
     As in Horovod, the first dimension may differ between processes; the others must agree.
     """
     return _tf.allgather(value)
+
+
+def reducescatter(value: Any, name: str | None = None, op: Any = Average) -> tf.Tensor:
+    """This process's share of the first axis of the value reduced over all processes (Sum or Average);
+    see tf_adasum.tensorflow.reducescatter."""
+    return _tf.reducescatter(value, op=op)
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """Horovod's TF1-era broadcast of the graph's global variables: there are none in TensorFlow 2."""
+    raise NotImplementedError(
+        "hvd.broadcast_global_variables is TensorFlow 1's (global variables of a graph): use "
+        f"hvd.broadcast_variables(model.variables, root_rank={root_rank}), or "
+        f"hvd.callbacks.BroadcastGlobalVariablesCallback({root_rank}) in fit"
+    )
 
 
 def DistributedOptimizer(

@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import agreement, distributed, engine, shared_state, sync
+from tf_adasum import agreement, distributed, engine, ops, shared_state, sync
 from tf_adasum.compression import narrows
 from tf_adasum.distributed import Adasum, Average, Sum
 from tf_adasum.engine import (
@@ -53,22 +53,40 @@ __all__ = [
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
+    "ProcessSet",
     "Sum",
+    "add_process_set",
     "allgather",
     "allreduce",
     "broadcast",
     "broadcast_variables",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
     "grouped_allreduce",
     "init",
     "is_initialized",
     "join",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 
@@ -116,9 +134,150 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     engine.init()
 
 
+class ProcessSet:
+    """Horovod's process sets (collectives over a subset of the ranks): not supported by tf_adasum, except
+    global_process_set, every rank, which is what tf_adasum's collectives always use."""
+
+    def __init__(self, ranks_or_comm: Any) -> None:
+        raise NotImplementedError(
+            "hvd.ProcessSet is not supported by tf_adasum: every collective runs over all processes "
+            "(global_process_set). Start a separate job for a subset of the workers"
+        )
+
+
+class _GlobalProcessSet:
+    """hvd.global_process_set: every rank. Accepted wherever Horovod takes process_set=."""
+
+    def __repr__(self) -> str:
+        return "global_process_set"
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(engine.size()))
+
+    def size(self) -> int:
+        return engine.size()
+
+    def rank(self) -> int:
+        return engine.rank()
+
+    def included(self) -> bool:
+        return True
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def add_process_set(process_set: Any) -> None:
+    """Not supported: every collective runs over all processes."""
+    ProcessSet(process_set)
+
+
+def remove_process_set(process_set: Any) -> None:
+    """Not supported: every collective runs over all processes."""
+    ProcessSet(process_set)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline: not supported; TensorFlow's profiler shows tf_adasum's ops and collectives."""
+    raise NotImplementedError(
+        "hvd.start_timeline is not supported by tf_adasum: profile with TensorFlow's profiler "
+        "(tf.profiler.experimental.start(logdir) ... stop(), or "
+        "keras.callbacks.TensorBoard(profile_batch=...))"
+    )
+
+
+def stop_timeline() -> None:
+    """Horovod's timeline: not supported (see start_timeline)."""
+    start_timeline("")
+
+
+def mpi_built() -> bool:
+    """Whether the MPI engine can run here: mpi4py imports (Horovod: built with MPI)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def mpi_enabled() -> bool:
+    """Whether this process runs the MPI engine (tf_adasum.init() chose it)."""
+    comm = engine.current()
+    return comm is not None and comm.engine == "mpi"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was started with MPI_THREAD_MULTIPLE (the MPI engine; False under the others)."""
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def gloo_built() -> bool:
+    """False: tf_adasum has no Gloo; horovodrun's Gloo mode starts its TF engine (TensorFlow's
+    collective runtime) instead."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: see gloo_built."""
+    return False
+
+
+def nccl_built() -> int:
+    """0, as Horovod without NCCL: tf_adasum does not link NCCL (under the TF engine TensorFlow's own
+    collectives may use it on GPUs)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether tf_adasum's compiled ops carry GPU kernels (a TF_ADASUM_CUDA=1 build)."""
+    return ops.built_with_cuda()
+
+
+def rocm_built() -> bool:
+    """False: no ROCm kernels."""
+    return False
+
+
+class _Elastic:
+    """horovod.tensorflow(.keras).elastic: not supported; any use of it says so and what to do instead."""
+
+    def __init__(self, module: str) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"{self._module}.elastic.{name}: elastic training (workers joining and leaving a running job) "
+            "is not supported by tf_adasum. Run a fixed number of processes, and resume a job that lost "
+            "one with keras.callbacks.BackupAndRestore (each process its own directory) or "
+            "tf.train.CheckpointManager, restarting the same command"
+        )
+
+
+elastic = _Elastic("hvd")
+
+
 def unsupported(where: str, **arguments: tuple[Any, Any]) -> None:
     """Raises naming every argument whose value differs from the one default that tf_adasum implements."""
     for name, (value, default) in arguments.items():
+        if name == "process_set" and value is global_process_set:
+            continue  # every rank: what tf_adasum's collectives do
         same = value is default if default is None else value == default
         if not same:
             raise NotImplementedError(
@@ -200,6 +359,44 @@ def allreduce(
         postscale_factor=postscale_factor,
         process_set=process_set,
     )[0]
+
+
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = Compression.none,
+    op: Any = Average,
+    name: str | None = None,
+    process_set: Any = None,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """This process's share of the first axis of the tensor reduced over all processes (Sum or Average).
+
+    As in Horovod, rank r gets rows [r * n // size + min(r, n % size), ...): when the first dimension n
+    does not divide by the number of processes, the lower ranks get one row more. Implemented as an
+    all-reduce, then this rank's slice: the bandwidth of an all-reduce, not of a reduce-scatter.
+    """
+    chosen = distributed.ReduceOp(op)
+    if chosen is Adasum:
+        raise NotImplementedError(
+            "reducescatter(op=Adasum) is not supported (nor by Horovod): use Sum or Average"
+        )
+    reduced = allreduce(
+        tensor,
+        device_dense=device_dense,
+        compression=compression,
+        op=chosen,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
+    n, r, p = tf.shape(reduced)[0], engine.rank(), engine.size()
+    base, extra = n // p, n % p
+    start = r * base + tf.minimum(r, extra)
+    rows = base + tf.cast(r < extra, n.dtype)
+    return reduced[start : start + rows]
 
 
 def broadcast(
