@@ -178,7 +178,15 @@ def ordering(out: Path) -> None:
         a = tf.fill([3], float(repetition))
         results = independent(a, tf.fill([5], float(tf_adasum.rank())))
         digests.append([float(np.sum(r.numpy(), dtype=np.float64)) for r in results])
-    save(out, "ordering", {"digests": digests})
+    # Horovod's reducescatter: rows 0..4 of the sum over ranks, split with the extra rows on lower ranks.
+    rows = tf.reshape(tf.range(10, dtype=tf.float32), [5, 2]) * float(tf_adasum.rank() + 1)
+    scattered = {
+        "eager": tf_adasum.keras.reducescatter(rows, op=tf_adasum.keras.Sum).numpy().tolist(),
+        "compiled": tf.function(lambda r: tf_adasum.keras.reducescatter(r, op=tf_adasum.keras.Average))(rows)
+        .numpy()
+        .tolist(),
+    }
+    save(out, "ordering", {"digests": digests, "reducescatter": scattered})
 
 
 def mismatch(out: Path) -> None:

@@ -186,6 +186,41 @@ def horovod(out: Path) -> None:
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     save(out, "average", {}, model.get_weights())
 
+    # Gradient accumulation: k passes summed on each rank, then one all-reduce (two epochs: 8 passes).
+    for name, (op, kind, k, average) in ACCUMULATION.items():
+        optimizer = hvd.DistributedOptimizer(
+            make_optimizer(kind),
+            op=getattr(hvd, op),
+            backward_passes_per_step=k,
+            average_aggregated_gradients=average,
+        )
+        model = linear_model(0, optimizer)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        save(out, name, {"iterations": int(optimizer.iterations.numpy())}, model.get_weights())
+
+    # Local variables: the second layer is each worker's own (Horovod's PartialDistributedOptimizer
+    # and BroadcastGlobalVariablesCallback(local_variables=...)); every rank starts elsewhere.
+    for op in ("Average", "Adasum"):
+        keras.utils.set_random_seed(hvd.rank())
+        model = keras.Sequential(
+            [keras.Input((FEATURES,)), keras.layers.Dense(4), keras.layers.Dense(OUTPUTS)]
+        )
+        local = model.layers[1]
+        optimizer = hvd.PartialDistributedOptimizer(
+            keras.optimizers.SGD(0.05), op=getattr(hvd, op), local_layers=local
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        broadcast = hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=local.variables)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[broadcast])
+        save(out, f"local_{op}", {}, model.get_weights())
+
+
+# (op, optimizer, backward_passes_per_step, average_aggregated_gradients), under tf_adasum.keras.
+ACCUMULATION = {
+    "accumulate_average": ("Average", "adam", 2, True),
+    "accumulate_sum": ("Sum", "sgd_momentum", 4, False),
+}
+
 
 def outcome(fn: Any) -> dict[str, Any]:
     """What fn raised (type and message) and how long it took."""

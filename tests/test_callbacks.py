@@ -312,3 +312,76 @@ def test_best_model_checkpoint_keeps_the_best_model(tmp_path: Path) -> None:
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[best])
     assert best.save_best_only and (tmp_path / "best.keras").exists()
     assert best.best == pytest.approx(min(history.history["loss"]))
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_gradient_accumulation_follows_horovods_formula(k: int, average: bool) -> None:
+    # Horovod's LocalGradientAggregationHelper: k passes' gradients summed locally (divided by k with
+    # average_aggregated_gradients), all-reduced once, applied at every k-th pass; the iteration count
+    # moves at every pass, so Adam's bias correction counts passes. One process here; across processes
+    # in test_existing_scripts.py.
+    from tests.test_training import Replica, mse_grads
+
+    x, y, w, b = problem()
+    optimizer = hvd.DistributedOptimizer(
+        make_inner("adam"), op=hvd.Average, backward_passes_per_step=k, average_aggregated_gradients=average
+    )
+    model = build_linear(tf.distribute.get_strategy(), lambda: optimizer)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # 8 passes
+    params = [w.astype(np.float64), b.astype(np.float64)]
+    adam, summed = Replica("adam", params), [np.zeros_like(p) for p in params]
+    for step in range(8):
+        rows = slice(8 * step, 8 * (step + 1))
+        summed = [s + g for s, g in zip(summed, mse_grads(params, x[rows], y[rows]), strict=True)]
+        if (step + 1) % k == 0:
+            params = adam.step(params, [s / k if average else s for s in summed], step + 1)
+            summed = [np.zeros_like(p) for p in params]
+    for got, want in zip(model.get_weights(), params, strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert int(optimizer.iterations.numpy()) == 8
+    restored = type(optimizer).from_config(optimizer.get_config())
+    assert restored.get_config() == optimizer.get_config()  # Horovod's test_from_config
+
+
+def test_an_inf_gradient_is_cleared_with_its_accumulation_cycle() -> None:
+    # Horovod's test_grad_aggregation_with_inf_grad: the first cycle's Inf does not reach the second.
+    x = keras.Variable(0.0)
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    optimizer.build([x])
+    accumulated = []
+    for step in range(4):
+        gradient = tf.constant(float("inf") if step == 0 else 1.0)
+        optimizer.apply([gradient], [x])
+        accumulated.append(float(optimizer._accumulated[0].numpy()))
+    assert accumulated == [float("inf"), 0.0, 1.0, 0.0]
+    assert int(optimizer.iterations.numpy()) == 4
+
+
+class CustomRMSprop(keras.optimizers.RMSprop):
+    """Not registered with Keras: the loader finds it only through custom_optimizers or custom_objects."""
+
+
+def test_load_model_as_horovod_scripts_call_it(tmp_path: Path) -> None:
+    # Horovod's test_load_model*: the defaults, custom_optimizers, the custom_objects factory idiom,
+    # and keras_imagenet_resnet50.py's compression=hvd.Compression.none.
+    x, y, _, _ = problem()
+    model = build_linear(tf.distribute.get_strategy(), lambda: hvd.DistributedOptimizer(CustomRMSprop(0.01)))
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(tmp_path / "m.keras")
+    saved = [v.numpy() for v in model.optimizer.variables]
+    factory = {"CustomRMSprop": lambda **kwargs: hvd.DistributedOptimizer(CustomRMSprop(**kwargs))}
+    for kwargs in (
+        {"custom_optimizers": [CustomRMSprop], "compression": hvd.Compression.none},
+        {"custom_objects": factory},
+        {"custom_optimizers": [CustomRMSprop], "compression": hvd.Compression.fp16},
+    ):
+        loaded = hvd.load_model(tmp_path / "m.keras", **kwargs)
+        optimizer = loaded.optimizer
+        assert isinstance(optimizer, tf_adasum.AllreduceOptimizer), kwargs
+        assert type(optimizer.inner_optimizer) is CustomRMSprop, kwargs
+        assert optimizer.compression == kwargs.get("compression", hvd.Compression.none).name
+        for mine, theirs in zip(optimizer.variables, saved, strict=True):
+            np.testing.assert_array_equal(mine.numpy(), theirs)  # the state comes back for retraining
+    with pytest.raises(NotImplementedError, match="compression"):
+        hvd.load_model(tmp_path / "m.keras", custom_optimizers=[CustomRMSprop], compression=object())

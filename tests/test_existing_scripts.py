@@ -14,7 +14,7 @@ import pytest
 
 from tests import processes
 from tests.processes import log_tail
-from tests.script_worker import BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
+from tests.script_worker import ACCUMULATION, BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
 from tests.test_training import Replica, mse_grads, simulate_replicas
 
 WORKER = str(Path(__file__).with_name("script_worker.py"))
@@ -116,6 +116,36 @@ def check_horovod_run(out: Path, p: int) -> None:
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         for got, first in zip(averaged[r], averaged[0], strict=True):
             np.testing.assert_array_equal(got, first)
+
+    # Local variables stay each rank's own; everything else is bitwise the same everywhere.
+    for op in ("Average", "Adasum"):
+        _, results = load(out, f"local_{op}", p)
+        for r in range(1, p):
+            for shared, first in zip(results[r][:2], results[0][:2], strict=True):
+                np.testing.assert_array_equal(shared, first)
+            for own, first in zip(results[r][2:], results[0][2:], strict=True):
+                assert not np.allclose(own, first), (op, r)
+
+    # Gradient accumulation, Horovod's formula: each rank sums k passes' gradients, they are all-reduced
+    # (the mean, or the sum over ranks) once, divided by k with average_aggregated_gradients, applied.
+    for name, (op, kind, k, average) in ACCUMULATION.items():
+        infos, results = load(out, name, p)
+        params = [w.astype(np.float64) for w in initial_weights(0)]
+        stepper, summed = Replica(kind, params), [np.zeros_like(q) for q in params]
+        steps = ROWS_PER_RANK // BATCH
+        for step in range(2 * steps):
+            rows = slice((step % steps) * BATCH, (step % steps + 1) * BATCH)
+            grads = [mse_grads(params, d[0][rows], d[1][rows]) for d in data]
+            reduced = [sum(g) / (p if op == "Average" else 1) for g in zip(*grads, strict=True)]
+            summed = [s + g for s, g in zip(summed, reduced, strict=True)]
+            if (step + 1) % k == 0:
+                params = stepper.step(params, [s / k if average else s for s in summed], step + 1)
+                summed = [np.zeros_like(q) for q in params]
+        for r in range(p):
+            assert infos[r]["iterations"] == 2 * steps, infos[r]
+            for got, want, first in zip(results[r], params, results[0], strict=True):
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+                np.testing.assert_array_equal(got, first)
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])

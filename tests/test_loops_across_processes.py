@@ -121,6 +121,14 @@ def check_ordering(out: Path, p: int) -> None:
     assert len(steps) == 20 and np.all(np.isfinite(steps))
     # The independent collectives: sum, rank 0's values, mean, rank 0's values plus one.
     assert independent == [[3.0 * r * p, 0.0, 6.0 * r, 5.0] for r in range(20)], independent
+    # reducescatter: rank r's rows of the sum (or mean) over ranks of (r + 1) * rows, the first
+    # 5 % p ranks one row more.
+    total = np.arange(10.0).reshape(5, 2) * sum(r + 1 for r in range(p))
+    starts = [r * (5 // p) + min(r, 5 % p) for r in range(p + 1)]
+    for r, info in enumerate(infos):
+        share = total[starts[r] : starts[r + 1]]
+        assert info["reducescatter"]["eager"] == share.tolist(), (r, info["reducescatter"])
+        np.testing.assert_allclose(info["reducescatter"]["compiled"], share / p, rtol=1e-6)
 
 
 def check_mismatch(out: Path, p: int, engine: str) -> None:

@@ -191,9 +191,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Args:
         root_rank: the rank whose values every process takes.
+        local_variables: variables each worker keeps for itself (Horovod's; see
+            DistributedOptimizer.register_local_var), which are not broadcast.
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         if device:
             raise ValueError(
@@ -201,6 +203,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             )
         self.root_rank = root_rank
         self.broadcast_done = False
+        # Horovod's: variables (or one) that each worker keeps for itself, left out of the broadcast.
+        if local_variables is None:
+            local_variables = []
+        self.local_variables = (
+            list(local_variables) if isinstance(local_variables, list | tuple) else [local_variables]
+        )
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         check_equal_steps(self.params)
@@ -208,7 +216,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # At the first batch, after every on_train_begin (BackupAndRestore's restore among them).
         if not self.broadcast_done:
-            broadcast_model_and_optimizer(self.model, self.root_rank)
+            broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables)
             self.broadcast_done = True
 
 

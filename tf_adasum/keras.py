@@ -22,8 +22,9 @@ from typing import Any
 import keras as _keras
 import tensorflow as tf
 
-from tf_adasum import callbacks
+from tf_adasum import _compat, callbacks
 from tf_adasum import tensorflow as _tf
+from tf_adasum.optimizer import WrappedOptimizer
 from tf_adasum.tensorflow import (
     Adasum,
     Average,
@@ -64,6 +65,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Sum",
     "add_process_set",
@@ -191,9 +193,69 @@ def DistributedOptimizer(
     )
 
 
+def PartialDistributedOptimizer(
+    optimizer: _keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> _keras.optimizers.Optimizer:
+    """Horovod's PartialDistributedOptimizer (horovod.keras): every variable of `local_layers` stays this
+    worker's own; see tf_adasum.tensorflow.PartialDistributedOptimizer."""
+    return _tf.PartialDistributedOptimizer(
+        optimizer,
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        local_layers=local_layers,
+        scale_local_gradients=scale_local_gradients,
+    )
+
+
 def load_model(
-    filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None, compression: Any = None
+    filepath: Any,
+    custom_optimizers: Any = None,
+    custom_objects: Any = None,
+    compression: Any = Compression.none,
+    legacy_opts: bool = False,
 ) -> Any:
-    """keras.models.load_model; tf_adasum's optimizers are registered, so nothing needs wrapping."""
-    unsupported("load_model", custom_optimizers=(custom_optimizers, None), compression=(compression, None))
-    return _keras.models.load_model(filepath, custom_objects=custom_objects)
+    """Horovod's load_model: keras.models.load_model, with tf_adasum's optimizers registered.
+
+    A model saved with tf_adasum's DistributedOptimizer comes back with it. `custom_optimizers` (optimizer
+    classes) are made known to the loader; `custom_objects` may map an optimizer's name to Horovod's
+    factory idiom (`lambda **kwargs: hvd.DistributedOptimizer(MyOptimizer(**kwargs))`). `compression`
+    (Compression.none, Horovod's default, or Compression.fp16) is set on the loaded tf_adasum optimizer.
+    """
+    unsupported("load_model", legacy_opts=(legacy_opts, False))
+    if compression not in (Compression.none, Compression.fp16):
+        raise NotImplementedError(
+            f"load_model(compression={compression!r}) is not supported by tf_adasum; use Compression.none or "
+            "Compression.fp16"
+        )
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        objects.setdefault(cls.__name__, cls)
+    model = _keras.models.load_model(filepath, custom_objects=objects)
+    stepping = _compat.loss_scale_inner(getattr(model, "optimizer", None))
+    if isinstance(stepping, WrappedOptimizer):
+        stepping.compression = compression.name
+    return model

@@ -83,6 +83,21 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         self._track_trackable(inner, name="inner", overwrite=True)
         _WRAPPERS[inner] = self
 
+    def register_local_var(self, var: Any) -> None:
+        """Horovod's: `var` is this worker's own. Its gradient is not all-reduced (AllreduceOptimizer) and
+        its updates are not combined (AdasumOptimizer), and BroadcastGlobalVariablesCallback given it as
+        a local variable leaves it alone; it stays different on every process."""
+        self._local_ids().add(id(tf_variable(var)))
+
+    def _local_ids(self) -> set[int]:
+        if "_tf_adasum_local" not in self.__dict__:
+            self.__dict__["_tf_adasum_local"] = set()
+        return self.__dict__["_tf_adasum_local"]
+
+    def is_local(self, var: Any) -> bool:
+        """Whether `var` was registered as this worker's own (register_local_var)."""
+        return id(tf_variable(var)) in self._local_ids()
+
     @classmethod
     def wrapping(cls, optimizer: Any) -> WrappedOptimizer | None:
         """The wrapper whose inner optimizer `optimizer` is, if any."""
@@ -159,6 +174,11 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         config.pop(cls.LOADING, None)
         serialized = config.pop("inner_optimizer") if "inner_optimizer" in config else config.pop("inner")
         inner = keras.saving.deserialize_keras_object(serialized, custom_objects=custom_objects)
+        if callable(inner) and not isinstance(inner, keras.optimizers.Optimizer):
+            # Horovod's load_model idiom: custom_objects={"Name": lambda **kw: hvd.DistributedOptimizer(
+            # Name(**kw))}. The factory builds the optimizer from the saved config; its wrapper is this one.
+            inner = inner(**serialized.get("config", {}))
+            inner = getattr(inner, "inner_optimizer", inner)
         return cls(inner, **config)
 
 
@@ -329,7 +349,7 @@ class AdasumOptimizer(WrappedOptimizer):
         if not later:
             # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
             # broadcast callback arrange; otherwise each would keep its own random initialisation.
-            broadcast_variables(var_list, self.root)
+            broadcast_variables([v for v in var_list if not self.is_local(v)], self.root)
         self.inner_optimizer.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
@@ -377,7 +397,7 @@ class AdasumOptimizer(WrappedOptimizer):
         anchored = _ANCHORED[self]
 
         def anchor() -> tf.Tensor:
-            broadcast_variables(variables, self.root)
+            broadcast_variables([v for v in variables if not self.is_local(v)], self.root)
             anchored.assign(True)
             return tf.constant(True)
 
@@ -400,6 +420,7 @@ class AdasumOptimizer(WrappedOptimizer):
         variables = (
             list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         )
+        variables = [v for v in variables if not self.is_local(v)]  # a worker's own are not combined
         indices = [self._get_variable_index(v) for v in variables]
         anchors = [self._anchors[i] for i in indices]
         lasts = [self._lasts[i] for i in indices] if self._lasts else None
@@ -465,6 +486,11 @@ class AllreduceOptimizer(WrappedOptimizer):
         op: tf_adasum.Average or tf_adasum.Sum.
         name: optional name; default "allreduce_<inner name>".
         compression: "none", or "fp16" to send float32/float64 gradients as float16.
+        backward_passes_per_step: Horovod's gradient accumulation: each process sums its gradients
+            over this many steps, then they are all-reduced once and the inner optimizer steps; in
+            between the weights stay as they are and only the iteration count moves, as in Horovod.
+        average_aggregated_gradients: divide the accumulated gradients by backward_passes_per_step
+            (Horovod's flag; its default, False, applies their sum).
     """
 
     def __init__(
@@ -473,6 +499,9 @@ class AllreduceOptimizer(WrappedOptimizer):
         op: Any = distributed.Average,
         name: str | None = None,
         compression: str = "none",
+        backward_passes_per_step: int = 1,
+        average_aggregated_gradients: bool = False,
+        scale_local_gradients: bool = True,
     ) -> None:
         op = distributed.ReduceOp(op)
         # Mixed precision's skip decision must be global: one rank skipping would average other steps.
@@ -482,9 +511,20 @@ class AllreduceOptimizer(WrappedOptimizer):
         super().__init__(inner, name=name or f"allreduce_{getattr(inner, 'name', 'optimizer')}")
         self.op = op
         self.compression = check_compression(compression)
+        self.backward_passes_per_step = sync.check_positive_integer(
+            "backward_passes_per_step", backward_passes_per_step
+        )
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.scale_local_gradients = bool(scale_local_gradients)
 
     def build(self, var_list: list[Any]) -> None:
         self.inner_optimizer.build(var_list)
+        # Each process's gradients summed since the last all-reduce (backward_passes_per_step > 1).
+        self._accumulated = (
+            [self.add_variable_from_reference(v, name="accumulated_gradient") for v in var_list]
+            if self.backward_passes_per_step > 1
+            else []
+        )
         super().build(var_list)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
@@ -495,14 +535,21 @@ class AllreduceOptimizer(WrappedOptimizer):
                 f"{context.num_replicas_in_sync} replicas: start one process per device instead of a "
                 "tf.distribute strategy"
             )
+        if self.backward_passes_per_step > 1:
+            self._accumulate_then_apply(grads, trainable_variables)
+            return
+        self._reduce_then_apply(grads, trainable_variables)
+
+    def _reduce_then_apply(self, grads: list[Any], trainable_variables: list[Any] | None) -> None:
         comm = distributed.init()
         if comm.size > 1:
             # A rank that ran out of data meets this sync at its epoch end: both raise, neither waits.
             checked = agreement.agree(comm, agreement.SYNC, -1, "gradient allreduce")
             with tf.control_dependencies([checked]):
                 grads = [None if g is None else tf.identity(dense(g)) for g in grads]
-            present = [i for i, g in enumerate(grads) if g is not None]
             variables = list(trainable_variables) if trainable_variables is not None else None
+            local = [variables is not None and self.is_local(v) for v in (variables or [None] * len(grads))]
+            present = [i for i, g in enumerate(grads) if g is not None and not local[i]]
             names = [variable_name(variables[i]) for i in present] if variables is not None else []
             reduced = distributed.allreduce_compressed(
                 [grads[i] for i in present], self.op, self.compression, names
@@ -510,11 +557,55 @@ class AllreduceOptimizer(WrappedOptimizer):
             grads = list(grads)
             for i, g in zip(present, reduced, strict=True):
                 grads[i] = g
+            if self.scale_local_gradients:  # Horovod's: a local gradient divided by the number of workers
+                grads = [g / comm.size if g is not None and local[i] else g for i, g in enumerate(grads)]
         with self._stepping():
             self.inner_optimizer.apply(grads, trainable_variables)
 
+    def _accumulate_then_apply(self, grads: list[Any], trainable_variables: list[Any] | None) -> None:
+        """Horovod's LocalGradientAggregationHelper: the gradients are summed into the accumulators;
+        every backward_passes_per_step-th pass they are all-reduced once (divided by the count with
+        average_aggregated_gradients), the inner optimizer steps on them and they are cleared; on the
+        other passes only the iteration count moves."""
+        if not self.built:
+            with tf.init_scope():
+                self.build(list(trainable_variables or []))
+        variables = (
+            list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        )
+        accumulators = [self._accumulated[self._get_variable_index(v)] for v in variables]
+        for accumulator, g in zip(accumulators, grads, strict=True):
+            if g is not None:
+                accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
+        iterations = self.inner_optimizer.iterations
+        passes = self.backward_passes_per_step
+
+        def reduce_and_apply() -> tf.Tensor:
+            summed = [
+                None if g is None else tf.identity(a) / passes if self.average_aggregated_gradients else
+                tf.identity(a)
+                for a, g in zip(accumulators, grads, strict=True)
+            ]  # fmt: skip
+            self._reduce_then_apply(summed, variables)
+            for accumulator in accumulators:
+                accumulator.assign(tf.zeros_like(accumulator))
+            return tf.constant(True)
+
+        def count_the_pass() -> tf.Tensor:
+            iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_apply, count_the_pass)
+
     def get_config(self) -> dict[str, Any]:
-        return {**self._config(), "op": self.op.value, "compression": self.compression}
+        return {
+            **self._config(),
+            "op": self.op.value,
+            "compression": self.compression,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+            "scale_local_gradients": self.scale_local_gradients,
+        }
 
 
 def _initializer_copying(variable: Any) -> Any:

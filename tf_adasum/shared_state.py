@@ -39,7 +39,13 @@ def broadcast_variables(variables: Sequence[Any], root: int) -> None:
         variable.assign(value)
 
 
-def broadcast_model_and_optimizer(model: keras.Model, root: int) -> None:
+def _without(variables: Sequence[Any], local: Sequence[Any]) -> list[Any]:
+    """`variables`, less those in `local` (a worker's own: Horovod's local variables), by identity."""
+    mine = {id(tf_variable(v)) for v in local}
+    return [v for v in variables if id(tf_variable(v)) not in mine]
+
+
+def broadcast_model_and_optimizer(model: keras.Model, root: int, local: Sequence[Any] = ()) -> None:
     """Every process takes rank `root`'s model variables, and its optimizer state at a fresh start.
 
     Horovod broadcasts the optimizer state too, which is the same on every process when gradients are
@@ -48,17 +54,19 @@ def broadcast_model_and_optimizer(model: keras.Model, root: int) -> None:
     broadcast only when no process has taken a step yet, and otherwise every process must be at the same
     step.
 
+    Variables in `local` (Horovod's local_variables, each worker's own) are not broadcast.
+
     Raises:
         ValueError: the processes' optimizers are at different steps.
     """
-    broadcast_variables(model.variables, root)
+    broadcast_variables(_without(model.variables, local), root)
     optimizer = model.optimizer
     if optimizer is None or not optimizer.built:
         return
     steps = agreement.gather_objects(
         distributed.init(), int(optimizer.iterations.numpy()), "optimizer step check"
     )
-    if not any(steps):
+    if not any(steps):  # all at their initial values: the local variables' slots too, harmlessly
         broadcast_variables(optimizer.variables, root)
     elif len(set(steps)) > 1:
         raise ValueError(

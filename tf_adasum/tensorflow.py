@@ -53,6 +53,7 @@ __all__ = [
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Sum",
     "add_process_set",
@@ -579,11 +580,15 @@ def DistributedOptimizer(
         op: Average or Sum all-reduce the gradients before the optimizer; Adasum combines the model
             deltas after it (the paper's method), every `backward_passes_per_step` local steps.
         backward_passes_per_step: with op=Adasum, the local steps between two syncs (each local step
-            applies its own gradient); with Average/Sum only 1 is supported.
-        average_aggregated_gradients: only False, or True with backward_passes_per_step=1 (where it
-            has no effect), is supported.
+            applies its own gradient); with Average/Sum, Horovod's gradient accumulation: the passes'
+            gradients summed locally, then all-reduced once and applied.
+        average_aggregated_gradients: with Average/Sum, divide the accumulated gradients by
+            backward_passes_per_step, as Horovod; with op=Adasum and k > 1 a ValueError (nothing is
+            aggregated there).
+        scale_local_gradients: with Average/Sum, divide the gradients of local variables
+            (register_local_var) by the number of processes, as Horovod.
         use_locking, device_dense, device_sparse, gradient_predivide_factor, num_groups, groups,
-        process_set, scale_local_gradients: only their defaults are supported; anything else raises.
+        process_set: only their defaults are supported; anything else raises.
 
     Returns:
         An AdasumOptimizer (op=Adasum) or AllreduceOptimizer (op=Average/Sum) around `optimizer`.
@@ -597,7 +602,6 @@ def DistributedOptimizer(
     unsupported(where, device_sparse=(device_sparse, ""), process_set=(process_set, None))
     unsupported(where, gradient_predivide_factor=(gradient_predivide_factor, 1.0))
     unsupported(where, num_groups=(num_groups, 0), groups=(groups, None))
-    unsupported(where, scale_local_gradients=(scale_local_gradients, True))
     if compression not in (Compression.none, Compression.fp16):
         raise NotImplementedError(
             f"{where}(compression={compression!r}) is not supported by tf_adasum; use Compression.none or "
@@ -605,19 +609,69 @@ def DistributedOptimizer(
         )
     chosen = distributed.ReduceOp(op)
     sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
-    if average_aggregated_gradients and backward_passes_per_step > 1:
-        raise NotImplementedError(
-            f"{where}(average_aggregated_gradients=True, backward_passes_per_step>1) is not supported by "
-            "tf_adasum"
-        )
     engine.init()
     if chosen is Adasum:
+        if average_aggregated_gradients and backward_passes_per_step > 1:
+            raise ValueError(
+                f"{where}(op=Adasum, average_aggregated_gradients=True): with Adasum after the optimizer "
+                "each of the backward_passes_per_step passes is a local step of its own, and nothing is "
+                "aggregated to average; leave average_aggregated_gradients False"
+            )
         return AdasumOptimizer(
             optimizer, sync_every=backward_passes_per_step, name=name, compression=compression.name
         )
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            f"{where}(op={chosen.name.title()}, backward_passes_per_step={backward_passes_per_step}) is not "
-            "supported by tf_adasum; only op=Adasum takes local steps"
-        )
-    return AllreduceOptimizer(optimizer, op=chosen, name=name, compression=compression.name)
+    return AllreduceOptimizer(
+        optimizer,
+        op=chosen,
+        name=name,
+        compression=compression.name,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        scale_local_gradients=scale_local_gradients,
+    )
+
+
+def PartialDistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """Horovod's PartialDistributedOptimizer: DistributedOptimizer with every variable of `local_layers`
+    (a layer or a list of layers) registered as this worker's own (register_local_var)."""
+    wrapped = DistributedOptimizer(
+        optimizer,
+        name=name,
+        use_locking=use_locking,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    layers = (
+        [] if local_layers is None else local_layers if isinstance(local_layers, list) else [local_layers]
+    )
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            wrapped.register_local_var(variable)
+    return wrapped
