@@ -268,7 +268,6 @@ def strategy_fit(out: Path) -> None:
     (out / f"contexts{comm.rank}.json").write_text(json.dumps(contexts))
 
     mixed_precision(out, comm.rank)
-    writes(out, comm.rank)
 
 
 # Across processes: (how, optimizer, sync_every) for test_training.fit_write_fit on one replica each.
@@ -381,5 +380,7 @@ if __name__ == "__main__":
         strategy_fit(out_dir)
     elif mode == "resume":
         resume(out_dir)
+    elif mode == "writes":
+        writes(out_dir, tf_adasum.init().rank)
     else:
         missing_peer(out_dir, exits=mode == "dead")

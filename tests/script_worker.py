@@ -167,7 +167,7 @@ def mixed_precision(out: Path) -> None:
 
 
 def horovod(out: Path) -> None:
-    import tensorflow2_keras_mnist as example
+    import horovod_keras_digits as example
 
     import tf_adasum.keras as hvd
 

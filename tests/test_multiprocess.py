@@ -141,7 +141,7 @@ def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("engine", ["mpi", "tf"])
 def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
-    from tests.test_training import check_fit_write_fit, problem, simulate, simulate_replicas
+    from tests.test_training import problem, simulate, simulate_replicas
 
     code = launch(engine, 2, tmp_path, "strategy")
     assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
@@ -199,8 +199,17 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
             assert np.all(np.isfinite(mine))
             np.testing.assert_array_equal(mine, theirs)
 
-    # Weights written between two fits (set_weights inside a window, EarlyStopping's restore): the
-    # written weights everywhere, then Adasum of the steps that follow, as on two local replicas.
+
+@pytest.mark.parametrize("engine", ["mpi", "tf"])
+def test_weights_written_between_fits_across_two_processes(engine: str, tmp_path: Path) -> None:
+    # set_weights inside a window and EarlyStopping's restore: the written weights everywhere, then
+    # Adasum of the steps that follow, as on two local replicas. Its own launch: at the end of the
+    # AdasumStrategy launch above, the TF engine's rank 0 died (SIGSEGV, no Python traceback) in 2 of
+    # 27 runs; alone, 10 of 10 passed.
+    from tests.test_training import check_fit_write_fit
+
+    code = launch(engine, 2, tmp_path, "writes")
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
     for how, kind, sync_every in PROCESS_WRITES:
         ranks = [list(np.load(tmp_path / f"writes_{how}{r}.npz").values()) for r in range(2)]
         for mine, theirs in zip(*ranks, strict=True):
