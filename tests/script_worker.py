@@ -198,6 +198,23 @@ def horovod(out: Path) -> None:
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         save(out, name, {"iterations": int(optimizer.iterations.numpy())}, model.get_weights())
 
+    # A model Keras builds only in its first step (no Input): the broadcast comes after the first batch.
+    keras.utils.set_random_seed(hvd.rank())
+    model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(OUTPUTS)])
+    # A metric, whose variables exist before the layers' do.
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse", metrics=["mae"]
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+    save(out, "lazy", {}, model.get_weights())
+
     # Local variables: the second layer is each worker's own (Horovod's PartialDistributedOptimizer
     # and BroadcastGlobalVariablesCallback(local_variables=...)); every rank starts elsewhere.
     for op in ("Average", "Adasum"):

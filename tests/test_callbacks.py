@@ -136,7 +136,6 @@ def test_horovod_api_in_one_process() -> None:
         ("num_groups", 2),
         ("groups", [[0]]),
         ("process_set", object()),
-        ("scale_local_gradients", False),
     ],
 )
 def test_distributed_optimizer_names_what_it_does_not_implement(argument: str, value: Any) -> None:
@@ -152,8 +151,16 @@ def test_distributed_optimizer_chooses_by_op() -> None:
     assert adasum.compression == "fp16"
     average = hvd.DistributedOptimizer(keras.optimizers.Adam(), op=hvd.Sum)
     assert isinstance(average, tf_adasum.AllreduceOptimizer) and average.op is hvd.Sum
-    with pytest.raises(NotImplementedError, match="backward_passes_per_step=2"):
-        hvd.DistributedOptimizer(keras.optimizers.Adam(), backward_passes_per_step=2)
+    accumulating = hvd.DistributedOptimizer(keras.optimizers.Adam(), backward_passes_per_step=2)
+    assert isinstance(accumulating, tf_adasum.AllreduceOptimizer)
+    assert accumulating.backward_passes_per_step == 2
+    with pytest.raises(ValueError, match="nothing is aggregated"):
+        hvd.DistributedOptimizer(
+            keras.optimizers.Adam(),
+            op=hvd.Adasum,
+            backward_passes_per_step=2,
+            average_aggregated_gradients=True,
+        )
     # Both serialize, so a model compiled with them saves and loads.
     for optimizer in (adasum, average):
         again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
@@ -385,3 +392,12 @@ def test_load_model_as_horovod_scripts_call_it(tmp_path: Path) -> None:
             np.testing.assert_array_equal(mine.numpy(), theirs)  # the state comes back for retraining
     with pytest.raises(NotImplementedError, match="compression"):
         hvd.load_model(tmp_path / "m.keras", custom_optimizers=[CustomRMSprop], compression=object())
+
+
+def test_adasum_callback_refuses_a_model_without_weights_yet() -> None:
+    # A Sequential without an Input has no weights until its first step: the sync would combine none.
+    model = keras.Sequential([keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y, _, _ = problem()
+    with pytest.raises(ValueError, match=r"no weights yet.*keras\.Input"):
+        model.fit(x, y, verbose=0, callbacks=[tf_adasum.AdasumCallback()])

@@ -125,6 +125,12 @@ class AdasumCallback(_CountsBatches):
         distributed.init()
         check_equal_steps(self.params)
         variables = list(model.trainable_variables)
+        if not model.weights:
+            raise ValueError(
+                "AdasumCallback: the model has no weights yet (Keras builds a Sequential without an Input "
+                "only in its first step), so there is nothing to combine: give it one, "
+                "keras.Sequential([keras.Input(shape), ...]), or call model.build(input_shape) before fit"
+            )
         if not optimizer.built:
             optimizer.build(variables)
         # The window's anchors (sync.start_window) and, with sync_every > 1, the weights as the last step
@@ -214,7 +220,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         check_equal_steps(self.params)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # At the first batch, after every on_train_begin (BackupAndRestore's restore among them).
+        # At the first batch, after every on_train_begin (BackupAndRestore's restore among them). A model
+        # Keras builds only in its first step (a Sequential without an Input) has no weights yet: then
+        # after the first batch, as Horovod does, or each process would keep its own initialisation.
+        if not self.broadcast_done and self.model.weights:
+            broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables)
+            self.broadcast_done = True
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self.broadcast_done:
             broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables)
             self.broadcast_done = True
