@@ -138,7 +138,7 @@ def check_mismatch(out: Path, p: int, engine: str) -> None:
         for how in ("eager", "compiled"):
             seen = info[how]
             assert seen["error"] == "RuntimeError", seen
-            assert "called different collectives" in seen["message"], seen
+            assert "are at different collectives" in seen["message"], seen
             assert (
                 "rank 0: allreduce(op=Sum)" in seen["message"] and "rank 1: broadcast" in seen["message"]
             ), seen

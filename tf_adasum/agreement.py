@@ -275,14 +275,8 @@ def check_same_on_all_ranks(
         RuntimeError: the ranks called different collectives (`what` differs), naming each rank's.
         ValueError: the same collective with different tensors, naming the tensor and the ranks.
     """
-    everyone = gather_objects(comm, (what, tensor_specs(tensors)), f"{what} metadata check")
-    called = [w for w, _ in everyone]
-    if len(set(called)) > 1:
-        raise RuntimeError(
-            f"the ranks called different collectives ({per_rank(called)}): every rank must issue the same "
-            "collectives in the same order"
-        )
-    mismatch = first_mismatch([specs for _, specs in everyone], "rank", names)
+    everyone = gather_objects(comm, tensor_specs(tensors), f"{what} metadata check")
+    mismatch = first_mismatch(everyone, "rank", names)
     if mismatch is not None:
         raise ValueError(f"{what}: {mismatch}")
 
@@ -344,8 +338,24 @@ def announce(
 
 
 def gather_objects(comm: Communicator, obj: Any, what: str) -> list[Any]:
-    """comm.allgather_object, announced first. Objects are gathered when Python runs (also while a
-    tf.function is traced), so the announcement runs then too."""
+    """Every rank's `obj`, in rank order: comm.allgather_object, announced first. Objects are gathered
+    when Python runs (also while a tf.function is traced), so the announcement runs then too.
+
+    Each rank sends `what` with its object, so ranks at two different exchanges (a broadcast's
+    metadata check on one, a steps-per-epoch check on another) raise naming both, before either
+    reads the other's object.
+
+    Raises:
+        RuntimeError: on every rank, when the ranks are at different exchanges.
+    """
     with tf.init_scope():
         announce(comm, OBJECTS, [], what)
-    return comm.allgather_object(obj, what)
+    everyone = comm.allgather_object((what, obj), what)
+    called = [w for w, _ in everyone]
+    if len(set(called)) > 1:
+        raise RuntimeError(
+            f"the ranks are at different collectives ({per_rank(called)}): every rank must issue the same "
+            "collectives in the same order (is some code, a model load or a callback, running on one "
+            "rank only?)"
+        )
+    return [o for _, o in everyone]
