@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,49 @@ def horovod(out: Path) -> None:
         broadcast = hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=local.variables)
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[broadcast])
         save(out, f"local_{op}", {}, model.get_weights())
+
+    for op in ("Average", "Adasum"):
+        resume_on_rank_0(out, op)
+
+
+def resume_on_rank_0(out: Path, op: str) -> None:
+    """Horovod's resume: rank 0 loads the checkpoint it wrote, the others build new models, and
+    BroadcastGlobalVariablesCallback gives them its weights and optimizer state. Saved: the run that
+    went on (one epoch, then another), and the runs resumed after the first epoch from rank 0's file
+    (`rank0`), from rank 0's file on every rank (`all`), and from each rank's own file (`own`)."""
+    import tf_adasum.keras as hvd
+
+    x, y = shard(hvd.rank())
+
+    def fit(model: keras.Model, epoch: int, checkpoints: list[str]) -> keras.Model:
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+        callbacks += [keras.callbacks.ModelCheckpoint(path) for path in checkpoints]
+        model.fit(
+            x, y, batch_size=BATCH, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, verbose=0,
+            callbacks=callbacks,
+        )  # fmt: skip
+        return model
+
+    def state(model: keras.Model) -> list[np.ndarray]:
+        return [np.asarray(v) for v in model.get_weights() + model.optimizer.variables]
+
+    def new_model() -> keras.Model:  # every rank starts elsewhere: the callback must broadcast
+        return linear_model(hvd.rank(), hvd.DistributedOptimizer(make_optimizer("adam"), op=getattr(hvd, op)))
+
+    first, own = str(out / f"resume_{op}.keras"), str(out / f"resume_{op}_{hvd.rank()}.keras")
+    model = fit(new_model(), 0, [first, own] if hvd.rank() == 0 else [own])
+    save(out, f"went_on_{op}", {}, state(fit(model, 1, [])))
+    loads = {"rank0": hvd.rank() == 0, "all": True}
+    if op == "Adasum":
+        loads["own"] = True
+    for how, loads_file in loads.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = hvd.load_model(own if how == "own" else first) if loads_file else new_model()
+            model = fit(model, 1, [])
+        warned = [str(w.message) for w in caught if "resumes from rank 0's checkpoint" in str(w.message)]
+        info = {"class": type(model.optimizer).__name__, "warned": warned}
+        save(out, f"resumed_{how}_{op}", info, state(model))
 
 
 # (op, optimizer, backward_passes_per_step, average_aggregated_gradients), under tf_adasum.keras.

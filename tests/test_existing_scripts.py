@@ -132,6 +132,28 @@ def check_horovod_run(out: Path, p: int) -> None:
             for own, first in zip(results[r][2:], results[0][2:], strict=True):
                 assert not np.allclose(own, first), (op, r)
 
+    # Horovod's resume on rank 0 alone. Average: every rank's optimizer state is the same, so the
+    # resumed run is bitwise the run that went on. Adasum: each rank's state is its own and rank 0's
+    # file holds only rank 0's: the others resume from it (as if every rank had loaded that file) and
+    # say so; each rank's own file resumes bitwise.
+    for op in ("Average", "Adasum"):
+        _, went_on = load(out, f"went_on_{op}", p)
+        infos, rank0 = load(out, f"resumed_rank0_{op}", p)
+        _, everywhere = load(out, f"resumed_all_{op}", p)
+        reference = went_on if op == "Average" else everywhere
+        for r in range(p):
+            assert infos[r]["class"] == ("AdasumOptimizer" if op == "Adasum" else "AllreduceOptimizer")
+            assert len(rank0[r]) == len(reference[r]) > 2
+            for got, want in zip(rank0[r], reference[r], strict=True):
+                np.testing.assert_array_equal(got, want)
+            assert bool(infos[r]["warned"]) == (op == "Adasum" and r > 0), infos[r]
+        if op == "Adasum":
+            assert not np.allclose(rank0[1][0], went_on[1][0])  # rank 1's Adam state was not saved
+            _, own = load(out, f"resumed_own_{op}", p)
+            for r in range(p):
+                for got, want in zip(own[r], went_on[r], strict=True):
+                    np.testing.assert_array_equal(got, want)
+
     # Gradient accumulation, Horovod's formula: each rank sums k passes' gradients, they are all-reduced
     # (the mean, or the sum over ranks) once, divided by k with average_aggregated_gradients, applied.
     for name, (op, kind, k, average) in ACCUMULATION.items():

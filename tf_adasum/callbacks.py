@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, agreement, distributed, sync
+from tf_adasum.optimizer import AdasumOptimizer
 from tf_adasum.shared_state import (
     agree_at_epoch_end,
     average_logs,
@@ -167,7 +168,7 @@ class AdasumCallback(_CountsBatches):
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._started:
             # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
-            broadcast_model_and_optimizer(self.model, self.root)
+            broadcast_model_and_optimizer(self.model, self.root, state_per_process=True)
             # This fit's first step opens a window, whatever the iteration count says.
             for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
                 anchor.assign(tf_variable(variable))
@@ -190,10 +191,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Every process starts from rank `root_rank`'s model variables and optimizer state (Horovod's).
 
     Horovod broadcasts after the first batch, because TF1-era optimizers created their state during
-    the first step. Keras 3 builds the optimizer before training starts, so this broadcasts before the
-    first batch, and the first step already starts from the same weights everywhere. It also checks at
+    the first step. Keras 3 can build the optimizer before, so this broadcasts before the first batch
+    (building the optimizer if Keras has not), and the first step already starts from the same weights
+    everywhere; a model Keras builds only in its first step is broadcast after it. It also checks at
     train begin that every process will run the same number of batches per epoch. As
-    broadcast_model_and_optimizer says, the optimizer state is broadcast only at a fresh start.
+    broadcast_model_and_optimizer says, the optimizer state is broadcast at a fresh start and when only
+    root resumed from a checkpoint (Horovod's `if hvd.rank() == 0: model = hvd.load_model(...)`);
+    processes that all resumed at the same step keep their own.
 
     Args:
         root_rank: the rank whose values every process takes.
@@ -224,13 +228,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # Keras builds only in its first step (a Sequential without an Input) has no weights yet: then
         # after the first batch, as Horovod does, or each process would keep its own initialisation.
         if not self.broadcast_done and self.model.weights:
-            broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables)
+            self._broadcast()
             self.broadcast_done = True
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self.broadcast_done:
-            broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables)
+            self._broadcast()
             self.broadcast_done = True
+
+    def _broadcast(self) -> None:
+        per_process = isinstance(self.model.optimizer, AdasumOptimizer)  # Adasum after the optimizer
+        broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables, per_process)
 
 
 class MetricAverageCallback(_CountsBatches):

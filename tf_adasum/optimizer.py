@@ -288,9 +288,9 @@ def _after_the_inner_variables(trackable: Any) -> Any:
     return trackable
 
 
-# AdasumOptimizers built before their model's variables had values, each with its flag: False until its
-# first step has broadcast the weights (_anchor_at_the_first_step).
-_ANCHORED: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
+# AdasumOptimizers whose first step was traced before their model's variables had values, each with its
+# flag: False until that step, when it runs, has broadcast the weights (_broadcast_at_the_first_step).
+_BROADCAST_DONE: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
 
 
 @keras.saving.register_keras_serializable(package="tf_adasum")
@@ -345,22 +345,17 @@ class AdasumOptimizer(WrappedOptimizer):
                     f"{type(current).__name__}: create the model and its optimizer "
                     "inside the same strategy.scope()"
                 )
-        later = self in _ANCHORED  # the model's variables have no values yet: start at the first step
-        if not later:
-            # Every process starts from root's weights, as MultiWorkerMirroredStrategy and Horovod's
-            # broadcast callback arrange; otherwise each would keep its own random initialisation.
-            broadcast_variables([v for v in var_list if not self.is_local(v)], self.root)
+        # No collective here: build runs wherever Keras or the user calls it, also on one rank alone
+        # (Horovod's resume: rank 0 loads the model, the others build a new one). Every process takes
+        # root's weights at the first step instead (_broadcast_at_the_first_step).
+        self._broadcast_owed = True
         self.inner_optimizer.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
             self._replica_state.spread(stacked)
         # The weights at the window's first step (sync.start_window); deltas are measured from here.
-        self._anchors = [
-            self.add_variable_from_reference(
-                v, name="adasum_anchor", initializer="zeros" if later else _initializer_copying(v)
-            )
-            for v in var_list
-        ]
+        # Taken before the first step: a new window opens there (or a restore brings them back).
+        self._anchors = [self.add_variable_from_reference(v, name="adasum_anchor") for v in var_list]
         # Inside a window, the weights as the optimizer's last step left them: a write by anything else
         # re-anchors. Saved with the optimizer, so that a restore mid-window resumes the window.
         self._lasts = (
@@ -375,33 +370,43 @@ class AdasumOptimizer(WrappedOptimizer):
         the optimizer only while it traces the train step.
 
         Eagerly, out of the traced step, in the strategy's cross-replica context: Keras 3 cannot create
-        a stateful optimizer's slots inside a traced step under a strategy (keras-team/keras#23085), and
-        inside it tf.function would run the anchors' initializers ahead of the step, so before the
-        broadcast, and then run its second trace, without build(), for the first call. Where the model's
-        own variables are created in this very trace they have no values yet: the broadcast and the
-        anchors then wait for the first step that runs (_anchor_at_the_first_step).
+        a stateful optimizer's slots inside a traced step under a strategy (keras-team/keras#23085).
         """
 
         def build_in_cross_replica_context(strategy: Any) -> None:
             with tf.init_scope():
-                if self.built:  # another replica's thread, or a retrace, got here first
-                    return
-                if not all(bool(tf_variable(v).is_initialized()) for v in var_list):
-                    _ANCHORED[self] = tf.Variable(False, trainable=False, name="adasum_anchored")
-                self.build(var_list)
+                if not self.built:  # another replica's thread, or a retrace, got here first
+                    self.build(var_list)
 
         tf.distribute.get_replica_context().merge_call(build_in_cross_replica_context)
 
-    def _anchor_at_the_first_step(self, distribution: Any, variables: list[Any]) -> None:
-        """The first step that runs broadcasts root's weights (once); start_window then anchors there."""
-        anchored = _ANCHORED[self]
+    def _broadcast_at_the_first_step(self, distribution: Any, variables: list[Any]) -> None:
+        """Every process takes root's weights before its first step, as MultiWorkerMirroredStrategy and
+        Horovod's broadcast callback arrange; otherwise each would keep its own initialisation.
 
-        def anchor() -> tf.Tensor:
-            broadcast_variables([v for v in variables if not self.is_local(v)], self.root)
-            anchored.assign(True)
+        Every rank gets here at the same point: its first step, or that step's trace. Eagerly when the
+        weights have values (also while the step is traced: tf.init_scope), so that the compiled step
+        holds no broadcast. Where the model's own variables are created in this very trace they have
+        none yet: then the compiled step broadcasts in its first run, under a flag.
+        """
+        mine = [v for v in variables if not self.is_local(v)]
+        if self._broadcast_owed:
+            self._broadcast_owed = False
+            with tf.init_scope():
+                if all(bool(tf_variable(v).is_initialized()) for v in mine):
+                    broadcast_variables(mine, self.root)
+                    return
+                _BROADCAST_DONE[self] = tf.Variable(False, trainable=False, name="adasum_broadcast_done")
+        done = _BROADCAST_DONE.get(self)
+        if done is None:
+            return
+
+        def broadcast() -> tf.Tensor:
+            broadcast_variables(mine, self.root)
+            done.assign(True)
             return tf.constant(True)
 
-        tf.cond(anchored, lambda: tf.constant(False), anchor)
+        tf.cond(done, lambda: tf.constant(False), broadcast)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         context = tf.distribute.get_replica_context()
@@ -425,8 +430,8 @@ class AdasumOptimizer(WrappedOptimizer):
         anchors = [self._anchors[i] for i in indices]
         lasts = [self._lasts[i] for i in indices] if self._lasts else None
         iterations, every = self.inner_optimizer.iterations, self.sync_every
-        if self in _ANCHORED:
-            context.merge_call(self._anchor_at_the_first_step, args=(variables,))
+        if self._broadcast_owed or self in _BROADCAST_DONE:  # the first step, or its retraces
+            context.merge_call(self._broadcast_at_the_first_step, args=(variables,))
         context.merge_call(lambda _: sync.start_window(variables, anchors, iterations, every, lasts))
         with self._stepping():
             self.inner_optimizer.apply(grads, trainable_variables)
@@ -606,12 +611,3 @@ class AllreduceOptimizer(WrappedOptimizer):
             "average_aggregated_gradients": self.average_aggregated_gradients,
             "scale_local_gradients": self.scale_local_gradients,
         }
-
-
-def _initializer_copying(variable: Any) -> Any:
-    """An initializer that copies the variable's current value."""
-
-    def initializer(shape: Any, dtype: Any) -> Any:
-        return tf.cast(tf.identity(tf_variable(variable)), dtype)
-
-    return initializer

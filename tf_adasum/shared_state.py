@@ -8,6 +8,7 @@ and the same number of batches per epoch (check_equal_steps, agree_at_epoch_end)
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -45,33 +46,56 @@ def _without(variables: Sequence[Any], local: Sequence[Any]) -> list[Any]:
     return [v for v in variables if id(tf_variable(v)) not in mine]
 
 
-def broadcast_model_and_optimizer(model: keras.Model, root: int, local: Sequence[Any] = ()) -> None:
-    """Every process takes rank `root`'s model variables, and its optimizer state at a fresh start.
+def broadcast_model_and_optimizer(
+    model: keras.Model, root: int, local: Sequence[Any] = (), state_per_process: bool = False
+) -> None:
+    """Every process takes rank `root`'s model variables, and its optimizer state where no other
+    process has its own.
 
     Horovod broadcasts the optimizer state too, which is the same on every process when gradients are
     averaged before the optimizer. With Adasum after the optimizer each process's optimizer state is its
-    own, and a run resumed from per-process checkpoints (BackupAndRestore) must keep it: so the state is
-    broadcast only when no process has taken a step yet, and otherwise every process must be at the same
-    step.
+    own, and a run resumed from per-process checkpoints (BackupAndRestore) must keep it. So, by the
+    optimizers' steps:
+    - all at 0 (a fresh start): root's state is broadcast;
+    - root's past 0 and every other at 0 (Horovod's resume: rank 0 loaded the checkpoint, the others
+      built new models): root's state is broadcast, and every process resumes from it;
+    - all at the same step: each keeps its own;
+    - otherwise: ValueError.
+    An optimizer Keras has not built yet (fit without a strategy builds it in the first step's trace)
+    is built here first, so that every process has state to send or receive.
 
     Variables in `local` (Horovod's local_variables, each worker's own) are not broadcast.
+    `state_per_process` says that each process's optimizer state is its own (Adasum after the
+    optimizer): a resume from root's alone then warns on the others that theirs is root's now.
 
     Raises:
-        ValueError: the processes' optimizers are at different steps.
+        ValueError: the processes' optimizers are at different steps, and not only root's is past 0.
     """
     broadcast_variables(_without(model.variables, local), root)
     optimizer = model.optimizer
-    if optimizer is None or not optimizer.built:
+    if optimizer is None:
         return
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
     steps = agreement.gather_objects(
         distributed.init(), int(optimizer.iterations.numpy()), "optimizer step check"
     )
-    if not any(steps):  # all at their initial values: the local variables' slots too, harmlessly
+    others = steps[:root] + steps[root + 1 :]
+    if not any(others):  # a fresh start or root's resume (the local variables' slots too, harmlessly)
         broadcast_variables(optimizer.variables, root)
+        if steps[root] and state_per_process and distributed.init().rank != root:
+            warnings.warn(
+                f"this process resumes from rank {root}'s checkpoint at step {steps[root]}, and its "
+                f"optimizer state is now rank {root}'s: under Adasum each process's own was not saved "
+                "there. For a bitwise resume save a checkpoint per rank (a path with hvd.rank() in it) "
+                "and load each rank's own",
+                stacklevel=2,
+            )
     elif len(set(steps)) > 1:
         raise ValueError(
             f"the processes' optimizers are at different steps ({agreement.per_rank(steps)}): resume every "
-            "process from a checkpoint of the same step"
+            f"process from a checkpoint of the same step, or only rank {root} (the others then take its "
+            "state)"
         )
 
 
