@@ -183,7 +183,9 @@ def test_the_horovod_example_runs_with_tf_adasum_keras(launcher: str, tmp_path: 
     check_horovod_run(tmp_path, 2)
 
 
-@pytest.mark.parametrize("p", [2, 3])
+# At 3 processes only: 2 run under mpirun and tf_adasum.run above, and horovodrun's Gloo mode starts the
+# same TF engine.
+@pytest.mark.parametrize("p", [3])
 def test_horovodrun_gloo_runs_plain_and_horovod_scripts(p: int, tmp_path: Path) -> None:
     code = launch("horovodrun", p, tmp_path, "both")
     assert code == 0, log_tail(tmp_path)

@@ -23,11 +23,13 @@ def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] 
 
 # The default algorithm (vhdd.algorithm: VHDD under MPI; for data this small, one all-gather under
 # the TF engine), and each forced where the default is the other: the TF engine's VHDD with a fold (3)
-# and with two levels (4), MPI's all-gather.
+# and with two levels (4), MPI's all-gather. Under MPI, powers of two, folds of one (3, 5) and a prime
+# with a fold of three (7); 6 (two levels, a fold of two) and the TF engine's all-gather at 4 added
+# nothing the others do not reach, and cost 50 s of CI.
 @pytest.mark.parametrize(
     ("engine", "p", "forced"),
-    [("mpi", p, "") for p in range(2, 8)]
-    + [("tf", 2, ""), ("tf", 3, ""), ("tf", 4, "")]
+    [("mpi", p, "") for p in (2, 3, 4, 5, 7)]
+    + [("tf", 2, ""), ("tf", 3, "")]
     + [("mpi", 3, "gather"), ("tf", 3, "vhdd"), ("tf", 4, "vhdd")],
 )
 def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: Path) -> None:
