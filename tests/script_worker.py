@@ -232,6 +232,30 @@ def horovod(out: Path) -> None:
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[broadcast])
         save(out, f"local_{op}", {}, model.get_weights())
 
+    # sparse_as_dense: an Embedding's IndexedSlices gradients, averaged over processes, are the gradient
+    # of the whole global batch, so the model steps as one plain model on every rank's rows at once.
+    def embedding_model() -> keras.Model:
+        keras.utils.set_random_seed(7)  # the same weights on every rank
+        return keras.Sequential(
+            [keras.Input((5,), dtype="int32"), keras.layers.Embedding(50, 4), keras.layers.Flatten(),
+             keras.layers.Dense(OUTPUTS)]
+        )  # fmt: skip
+
+    ids = [np.random.default_rng(3000 + r).integers(0, 50, (BATCH, 5)) for r in range(hvd.size())]
+    targets = [np.random.default_rng(4000 + r).standard_normal((BATCH, OUTPUTS)) for r in range(hvd.size())]
+    model, reference = embedding_model(), embedding_model()
+    # SGD: linear in the gradient, so a sparse step equals a dense one (RMSprop squares each slice of a
+    # repeated row before summing them, in Keras itself, and would not).
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), sparse_as_dense=True)
+    model.compile(optimizer=optimizer, loss="mse")
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    start = model.get_weights()[0]
+    for _ in range(3):
+        model.train_on_batch(ids[hvd.rank()], targets[hvd.rank()].astype(np.float32))
+        reference.train_on_batch(np.concatenate(ids), np.concatenate(targets).astype(np.float32))
+    moved = float(np.max(np.abs(model.get_weights()[0] - start)))
+    save(out, "sparse", {"moved": moved}, model.get_weights() + reference.get_weights())
+
     for op in ("Average", "Adasum"):
         resume_on_rank_0(out, op)
 

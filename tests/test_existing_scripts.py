@@ -132,6 +132,17 @@ def check_horovod_run(out: Path, p: int) -> None:
             for own, first in zip(results[r][2:], results[0][2:], strict=True):
                 assert not np.allclose(own, first), (op, r)
 
+    # sparse_as_dense (Horovod's Embedding test): the average of every rank's IndexedSlices gradient is
+    # the whole global batch's, as one plain model stepping on every rank's rows.
+    infos, sparse = load(out, "sparse", p)
+    for r in range(p):
+        half = len(sparse[r]) // 2
+        for got, want in zip(sparse[r][:half], sparse[r][half:], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for got, first in zip(sparse[r], sparse[0], strict=True):
+            np.testing.assert_array_equal(got, first)
+    assert infos[0]["moved"] > 1e-3, infos
+
     # Horovod's resume on rank 0 alone. Average: every rank's optimizer state is the same, so the
     # resumed run is bitwise the run that went on. Adasum: each rank's state is its own and rank 0's
     # file holds only rank 0's: the others resume from it (as if every rank had loaded that file) and
