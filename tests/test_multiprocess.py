@@ -229,3 +229,69 @@ def test_resuming_across_processes_equals_training_without_a_break(engine: str, 
     for r in range(2):
         results = json.loads((tmp_path / f"resume{r}.json").read_text())
         assert len(results) == 6 and all(results.values()), results
+
+
+# Each rank's number of replicas (logical CPUs): 2 x 2, 3 x 2 and 2 x 3 processes, and processes that
+# hold different numbers, under each engine.
+@pytest.mark.parametrize(
+    ("engine", "counts"),
+    [("mpi", "2,2"), ("mpi", "2,2,2"), ("mpi", "2,3"), ("tf", "3,3"), ("tf", "2,2,2"), ("tf", "3,2")],
+)
+def test_adasum_strategy_with_several_devices_in_each_process(
+    engine: str, counts: str, tmp_path: Path
+) -> None:
+    from tests.devices_worker import CASES, LOCAL, STEPS
+    from tests.test_training import problem, simulate
+
+    per_rank = [int(c) for c in counts.split(",")]
+    p, total = len(per_rank), sum(per_rank)
+    worker = str(Path(__file__).with_name("devices_worker.py"))
+    code = processes.launch(engine, p, tmp_path, [worker, str(tmp_path), counts])
+    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    x, y, _, _ = problem()
+    rows = LOCAL * total * STEPS
+    for r in range(p):  # TensorFlow lists every process's devices under the TF engine: refused, named
+        refused = tmp_path / f"devices_refused{r}.txt"
+        assert refused.exists() == (engine == "tf")
+        if engine == "tf":
+            message = refused.read_text()
+            assert f"on rank {r} got other processes' devices ['/job:worker/replica:0/task:" in message
+    for kind, sync_every, local_reduction in CASES:
+        name = f"devices_{kind}_{local_reduction}"
+        infos = [json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in range(p)]
+        weights = [list(np.load(tmp_path / f"{name}{r}.npz").values()) for r in range(p)]
+        losses: list[float] = []
+        # Global replica i (rank order) takes the i-th LOCAL rows of each global batch, as one
+        # AdasumStrategy over all of them in one process would: the tree over every replica, or with
+        # local_reduction="mean" the tree over each process's mean.
+        groups = per_rank if local_reduction == "mean" else None
+        want = simulate(kind, total, sync_every, STEPS, LOCAL * total, losses, mean_groups=groups)
+        for r in range(p):
+            assert infos[r]["replicas"] == total and infos[r]["counts"] == per_rank, infos[r]
+            assert infos[r] == infos[0], infos  # the logs are global: the same everywhere
+            for got, first, w in zip(weights[r], weights[0], want, strict=True):
+                assert len(got) == per_rank[r]
+                for replica in got:  # every replica of every process, bitwise
+                    np.testing.assert_array_equal(replica, first[0])
+                np.testing.assert_allclose(got[0], w, rtol=2e-5, atol=2e-5)
+        # The epoch's loss: the mean over every step of every replica; evaluate's, over all rows.
+        assert infos[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+        squared = (x[:rows].astype(np.float64) @ want[0] + want[1] - y[:rows]) ** 2
+        assert infos[0]["evaluate"] == pytest.approx(float(np.mean(squared)), rel=1e-5)
+
+    bn = [list(np.load(tmp_path / f"devices_batchnorm{r}.npz").values()) for r in range(p)]
+    for r in range(1, p):
+        for mine, first in zip(bn[r], bn[0], strict=True):
+            np.testing.assert_array_equal(mine, first)
+    mean, variance = np.zeros(3), np.ones(3)
+    owner = [r for r, n in enumerate(per_rank) for _ in range(n)]  # global replica -> its rank
+    for step in range(STEPS):
+        batches = [
+            x[step * LOCAL * total + i * LOCAL : step * LOCAL * total + (i + 1) * LOCAL].astype(np.float64)
+            * (1 + owner[i])
+            for i in range(total)
+        ]
+        mean = 0.99 * mean + 0.01 * np.mean([b.mean(0) for b in batches], axis=0)
+        variance = 0.99 * variance + 0.01 * np.mean([b.var(0) for b in batches], axis=0)
+    np.testing.assert_allclose(bn[0][2], mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(bn[0][3], variance, rtol=1e-5, atol=1e-7)

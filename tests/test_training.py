@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -73,8 +74,12 @@ def simulate_replicas(
     losses: list[float] | None = None,
     writes: dict[int, list[np.ndarray]] | None = None,
     after_each_step: list[list[np.ndarray]] | None = None,
+    mean_groups: list[int] | None = None,
 ) -> list[np.ndarray]:
     """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas.
+
+    With `mean_groups` (each process's number of replicas, in order: local_reduction="mean"), every
+    sync is the tree over each group's mean delta instead.
 
     Each replica's loss before each of its steps is appended to `losses`, when given. `writes[i]`, when
     given, is what a user writes into every replica before step i (set_weights, ...): the new weights,
@@ -96,6 +101,12 @@ def simulate_replicas(
             params[r] = replicas[r].step(params[r], mse_grads(params[r], x, y), step + 1)
         if (step + 1) % sync_every == 0:
             deltas = [[q - a for q, a in zip(params[r], anchor, strict=True)] for r in range(p)]
+            if mean_groups is not None:
+                starts = np.cumsum([0, *mean_groups])
+                deltas = [
+                    [np.mean(parts, axis=0) for parts in zip(*deltas[a:b], strict=True)]
+                    for a, b in itertools.pairwise(starts)
+                ]
             anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
             params = [list(anchor) for _ in range(p)]
         if after_each_step is not None:
@@ -104,14 +115,20 @@ def simulate_replicas(
 
 
 def simulate(
-    kind: str, p: int, sync_every: int, steps: int, global_batch: int, losses: list[float] | None = None
+    kind: str,
+    p: int,
+    sync_every: int,
+    steps: int,
+    global_batch: int,
+    losses: list[float] | None = None,
+    mean_groups: list[int] | None = None,
 ) -> list[np.ndarray]:
     """The strategy's replicas: replica r takes the r-th contiguous share of every global batch."""
     x, y, w, b = problem()
     local = global_batch // p
     starts = [[s * global_batch + r * local for s in range(steps)] for r in range(p)]
     shares = [[(x[i : i + local], y[i : i + local]) for i in replica] for replica in starts]
-    return simulate_replicas(kind, [w, b], shares, sync_every, losses)
+    return simulate_replicas(kind, [w, b], shares, sync_every, losses, mean_groups=mean_groups)
 
 
 def build_linear(strategy: tf.distribute.Strategy, make_optimizer: Any) -> keras.Model:
@@ -127,12 +144,17 @@ def replica_values(strategy: tf.distribute.Strategy, model: keras.Model) -> list
     return [[c.numpy() for c in strategy.experimental_local_results(v.value)] for v in model.weights]
 
 
-@pytest.mark.parametrize("sync_every", [1, 2])
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
-def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int) -> None:
+@pytest.mark.parametrize(
+    ("kind", "p", "sync_every", "local_reduction"),
+    [(k, p, s, "adasum") for k in ("sgd_momentum", "adam") for p in (2, 4) for s in (1, 2)]
+    + [("adam", 4, 1, "mean"), ("sgd_momentum", 2, 2, "mean")],
+)
+def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int, local_reduction: str) -> None:
+    # local_reduction="mean" in one process: the replicas' deltas averaged (the tree over one process).
     x, y, _, _ = problem()
-    strategy = tf_adasum.AdasumStrategy(devices=cpus(p), sync_every=sync_every)
+    strategy = tf_adasum.AdasumStrategy(
+        devices=cpus(p), sync_every=sync_every, local_reduction=local_reduction
+    )
     model = build_linear(strategy, lambda: make_inner(kind))  # a plain optimizer: the strategy wraps it
     assert isinstance(model.optimizer, tf_adasum.AdasumOptimizer)
     global_batch, steps = 4 * p, 4
@@ -143,7 +165,10 @@ def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int) -> None:
         shuffle=False,
         verbose=0,
     )
-    want = simulate(kind, p, sync_every, steps, global_batch)
+    groups = [p] if local_reduction == "mean" else None
+    want = simulate(kind, p, sync_every, steps, global_batch, mean_groups=groups)
+    if groups is not None:  # not the tree: the simulation tells the two apart
+        assert not np.allclose(want[0], simulate(kind, p, sync_every, steps, global_batch)[0], atol=1e-4)
     # Adam divides by sqrt(v): float32 rounding of near-zero gradients moves its steps more than SGD's.
     atol = 2e-5 if kind == "adam" else 2e-6
     for got, w in zip(model.get_weights(), want, strict=True):

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_adasum import agreement, distributed
 from tf_adasum.errors import UnevenDataError
-from tf_adasum.variables import tf_variable
+from tf_adasum.variables import replica_values, tf_variable
 
 
 def broadcast_variables(variables: Sequence[Any], root: int) -> None:
@@ -99,11 +99,13 @@ def broadcast_model_and_optimizer(
         )
 
 
-def average_logs(logs: Any) -> Any:
+def average_logs(logs: Any, weights: Sequence[float] | None = None) -> Any:
     """The mean over processes of every floating scalar in `logs`, in one collective.
 
     Works on Keras's logs both inside a compiled step (tensors) and between steps (Python floats or
     numpy scalars); other entries pass through. Returns logs of the same structure and types.
+    `weights` (one per rank, summing to 1) weighs each process's value, where processes hold different
+    numbers of replicas; None is the plain mean.
     """
     comm = distributed.init()
     if comm.size == 1:
@@ -113,7 +115,7 @@ def average_logs(logs: Any) -> Any:
     if not index:
         return logs
     values = tf.stack([tf.cast(flat[i], tf.float64) for i in index])
-    mean = distributed.allreduce(values, op=distributed.Average)
+    mean = _mean_over_processes(comm, values, weights)
     for j, i in enumerate(index):
         if isinstance(flat[i], tf.Tensor):
             flat[i] = tf.cast(mean[j], flat[i].dtype)
@@ -122,25 +124,51 @@ def average_logs(logs: Any) -> Any:
     return tf.nest.pack_sequence_as(logs, flat)
 
 
-def reduce_over_processes(value: tf.Tensor, mean: bool) -> tf.Tensor:
-    """The sum over processes of a tensor, or with `mean` its mean; floating dtypes are added in float64."""
-    if distributed.init().size == 1:
+def _mean_over_processes(comm: Any, values: Any, weights: Sequence[float] | None) -> Any:
+    """The mean over processes of a tensor (or list of them), each process's weighed by
+    weights[rank] where given."""
+    if weights is None:
+        return distributed.allreduce(values, op=distributed.Average)
+    share = weights[comm.rank]
+    if isinstance(values, list):
+        return distributed.allreduce([v * tf.cast(share, v.dtype) for v in values], op=distributed.Sum)
+    return distributed.allreduce(values * tf.cast(share, values.dtype), op=distributed.Sum)
+
+
+def reduce_over_processes(value: tf.Tensor, mean: bool, weights: Sequence[float] | None = None) -> tf.Tensor:
+    """The sum over processes of a tensor, or with `mean` its mean (each process's weighed by
+    weights[rank] where given); floating dtypes are added in float64."""
+    comm = distributed.init()
+    if comm.size == 1:
         return value
     wide = tf.cast(value, tf.float64) if value.dtype.is_floating else value
-    total = distributed.allreduce(wide, op=distributed.Average if mean else distributed.Sum)
+    if mean and wide.dtype.is_floating:
+        total = _mean_over_processes(comm, wide, weights)
+    else:
+        total = distributed.allreduce(wide, op=distributed.Average if mean else distributed.Sum)
     return tf.cast(total, value.dtype)
 
 
-def average_state_over_processes(variables: Sequence[Any]) -> None:
-    """Assigns to each floating variable its mean over processes (BatchNorm's moving statistics).
+def average_state_over_processes(variables: Sequence[Any], weights: Sequence[float] | None = None) -> None:
+    """Assigns to each floating variable, on every replica, its mean over every replica of every process
+    (BatchNorm's moving statistics), each process's weighed by weights[rank] where given.
 
-    AdasumStrategy runs this after every train step across processes, as MirroredStrategy averages
-    non-trainable state over its replicas.
+    AdasumStrategy runs this after every train step across processes, in cross-replica context, so
+    that every process (and every replica) holds the same model. Within one process Keras 3 leaves
+    these variables per replica under MirroredStrategy (aggregation NONE: each replica's moving
+    statistics follow its own batches); across processes they are averaged here, which for an
+    exponential moving average is the update by the mean of every replica's batch moments.
     """
+    comm = distributed.init()
     state = [v for v in variables if v.dtype in ("float16", "bfloat16", "float32", "float64")]
-    if not state or distributed.init().size == 1:
+    if not state or comm.size == 1:
         return
-    means = distributed.allreduce([v.value for v in state], op=distributed.Average)
+
+    def local_mean(variable: Any) -> tf.Tensor:
+        parts = [tf.identity(part) for part in replica_values(variable)]
+        return parts[0] if len(parts) == 1 else tf.reduce_mean(tf.stack(parts), axis=0)
+
+    means = _mean_over_processes(comm, [local_mean(v) for v in state], weights)
     for variable, mean in zip(state, means, strict=True):
         variable.assign(mean)
 

@@ -9,12 +9,14 @@ one-line change): a plain optimizer whose apply_gradients runs inside strategy.r
 AdasumOptimizer's inner optimizer (adasum_for), built on its first step; nothing under this strategy
 sums the replicas' gradients (refuse_gradient_mean).
 
-Across processes (mpirun, horovodrun --mpi, or TF_CONFIG), each process holds one replica, as with
-Horovod: one process per GPU or per host CPU. The model updates cross processes inside the optimizer
-(tf_adasum.allreduce); each process reads its contiguous share of every global batch, as replicas do
-within MirroredStrategy; num_replicas_in_sync counts every replica of every process, as under
+Across processes (mpirun, horovodrun, or TF_CONFIG), each process holds one replica (Horovod's layout,
+one process per GPU) or several (MultiWorkerMirroredStrategy's, one process per machine), and the
+counts may differ. The model updates cross processes inside the optimizer (the tree over every
+replica of every process); each process reads its contiguous share of every global batch, in
+proportion to its replicas; num_replicas_in_sync counts every replica of every process, as under
 MultiWorkerMirroredStrategy, so loss scaling and tf.nn.compute_average_loss mean the global batch;
-the logs of Keras's train and test steps are averaged over processes. No part of this goes through
+the logs of Keras's train and test steps, and BatchNorm's statistics after each train step, are
+averaged over every replica of every process. No part of this goes through
 MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks (keras-team/keras#20585).
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import _compat, distributed, sync
+from tf_adasum import _compat, agreement, distributed, sync
 from tf_adasum.errors import HookError
 from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
@@ -124,7 +126,13 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
     Args:
         devices: device names, as for MirroredStrategy; default all GPUs, or the CPU.
         sync_every: local steps between Adasum combinations, for optimizers it wraps.
-        cross_device_ops: what MirroredStrategy uses for everything but model updates (metrics, ...).
+        cross_device_ops: what MirroredStrategy uses for everything but model updates (metrics, ...),
+            and with local_reduction="mean" for the mean of each process's replicas too.
+        local_reduction: how each process's replicas combine across processes. "adasum" (default): the
+            exact tree over every replica of every process. "mean": each process's replicas are averaged
+            (cross_device_ops: NCCL between GPUs), then Adasum runs over the processes, Horovod's
+            hierarchical Adasum (any number of processes and of replicas each); scale the one-device
+            learning rate by the replicas per process, as Horovod's guide says for it.
 
     Example:
         >>> strategy = tf_adasum.AdasumStrategy()
@@ -139,8 +147,11 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         devices: list[str] | None = None,
         sync_every: int = 1,
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
+        local_reduction: str = "adasum",
     ) -> None:
         sync.check_sync_every(sync_every)
+        if local_reduction not in ("adasum", "mean"):
+            raise ValueError(f'local_reduction must be "adasum" or "mean", got {local_reduction!r}')
         _compat.require_tensorflow_backend("AdasumStrategy")
         _compat.require()
         # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
@@ -148,16 +159,23 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
             # NCCL needs GPUs; on CPUs reduce through one device, as MirroredStrategy's users expect.
             cross_device_ops = tf.distribute.ReductionToOneDevice()
-        if self.comm.size > 1:
-            devices = devices or [_local_device(self.comm)]
-            if len(devices) != 1:
-                raise ValueError(
-                    f"across processes AdasumStrategy uses one device per process, got {len(devices)} "
-                    f"({devices}); start one process per GPU (mpirun -np <GPUs>, or one TF_CONFIG task each)"
-                )
+        if self.comm.size > 1 and devices is None and self.comm.local_size > 1:
+            # Several processes on this host (Horovod's layout): this process's own GPU, or the CPU.
+            # One process on it (MultiWorkerMirroredStrategy's layout) takes all its GPUs, as that does.
+            devices = [_local_device(self.comm)]
+        if self.comm.size > 1 and devices is not None:
+            _refuse_other_processes_devices(devices, self.comm.rank)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self.sync_every = sync_every
+        self.local_reduction = local_reduction  # read by sync.sync_deltas
+        # Every process's number of replicas, in rank order; they may differ.
+        local = len(self.extended.worker_devices)
+        self.replica_counts = (
+            [local]
+            if self.comm.size == 1
+            else agreement.gather_objects(self.comm, local, "AdasumStrategy replica count check")
+        )
 
     # sync.syncs: every optimizer step under this strategy ends in an Adasum sync.
     _tf_adasum_syncs = True
@@ -171,7 +189,11 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         back by the same number, so each local step is the step a single worker would take on its
         replica's batch. Each process still splits its share over its own devices.
         """
-        return super().num_replicas_in_sync * self.comm.size
+        return sum(self.replica_counts)
+
+    def _my_rows(self) -> tuple[int, int]:
+        """This process's replicas' place among all: (the first one's global index, the total)."""
+        return sum(self.replica_counts[: self.comm.rank]), sum(self.replica_counts)
 
     def adasum_optimizer_for(self, optimizer: Any) -> WrappedOptimizer:
         """The AdasumOptimizer a plain optimizer steps through in a strategy.run loop, created on its first
@@ -185,13 +207,16 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         return wrapper
 
     def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
-        """Each process takes its contiguous share of every global batch, then splits it over replicas."""
+        """Each process takes its contiguous share of every global batch, in proportion to its replicas,
+        then splits it over them: global replica i (counting every process's in rank order) takes the
+        i-th of equal parts, as MultiWorkerMirroredStrategy's replicas do."""
         if self.comm.size > 1:
-            rank, size = self.comm.rank, self.comm.size
+            first, total = self._my_rows()
+            last = first + self.replica_counts[self.comm.rank]
 
             def share(t: tf.Tensor) -> tf.Tensor:
                 n = tf.shape(t)[0]
-                return t[(n * rank) // size : (n * (rank + 1)) // size]
+                return t[(n * first) // total : (n * last) // total]
 
             def my_part(*element: Any) -> Any:
                 parts = tf.nest.map_structure(share, element)
@@ -217,7 +242,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 tf.distribute.InputContext(
                     num_input_pipelines=size * context.num_input_pipelines,
                     input_pipeline_id=rank * context.num_input_pipelines + context.input_pipeline_id,
-                    num_replicas_in_sync=size * context.num_replicas_in_sync,
+                    num_replicas_in_sync=self.num_replicas_in_sync,
                 )
             )
 
@@ -231,7 +256,14 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         """
         local = super().reduce(reduce_op, value, axis)
         op = tf.distribute.ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
-        return reduce_over_processes(local, mean=op == tf.distribute.ReduceOp.MEAN)
+        mean, weights = op == tf.distribute.ReduceOp.MEAN, self._weights()
+        return tf.nest.map_structure(lambda t: reduce_over_processes(t, mean, weights), local)
+
+    def _weights(self) -> list[float] | None:
+        """Each process's share of the replicas, where they differ (a mean over processes then weighs
+        each by it); None where every process holds as many."""
+        counts = self.replica_counts
+        return None if len(set(counts)) == 1 else [c / sum(counts) for c in counts]
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
         step = _compat.keras_step(fn)
@@ -250,20 +282,30 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         trains = kind == "train"
         if trains:
             _check_adasum_optimizer(model.optimizer)
-        if self.comm.size > 1:
-            # The per-batch logs too: a callback that stops on them (TerminateOnNaN) must stop
-            # everywhere. After a train step, the model's non-trained state (BatchNorm moving statistics)
-            # is averaged over processes, as MirroredStrategy averages it over replicas.
-            keras_step = fn
+        outputs = super().run(fn, args=args, kwargs=kwargs, options=options)
+        if self.comm.size == 1:
+            return outputs
+        # Once per process, in cross-replica context, after every replica's step (in a replica's
+        # context each replica thread would issue its own collectives): the model's non-trained state
+        # (BatchNorm moving statistics, per replica under Keras 3) and the logs, every float scalar,
+        # averaged over every replica of every process, so that every process holds the same model and a
+        # callback that stops on the logs (TerminateOnNaN) stops everywhere.
+        weights = self._weights()
+        if trains:
+            average_state_over_processes(model.non_trainable_variables, weights)
+        return average_logs(self._local_means(outputs), weights)
 
-            def step_with_global_logs(*a: Any, **k: Any) -> Any:
-                logs = keras_step(*a, **k)
-                if trains:
-                    average_state_over_processes(model.non_trainable_variables)
-                return average_logs(logs)
+    def _local_means(self, outputs: Any) -> Any:
+        """`outputs` with each per-replica float scalar replaced by its mean over this process's
+        replicas (what Keras's reduce_per_replica would take locally)."""
 
-            fn = step_with_global_logs
-        return super().run(fn, args=args, kwargs=kwargs, options=options)
+        def mean(value: Any) -> Any:
+            parts = self.experimental_local_results(value)
+            if len(parts) > 1 and all(_is_float_scalar_tensor(p) for p in parts):
+                return tf.reduce_mean(tf.stack(parts))
+            return value
+
+        return tf.nest.map_structure(mean, outputs, expand_composites=False)
 
 
 def _check_adasum_optimizer(optimizer: Any) -> None:
@@ -277,6 +319,22 @@ def _check_adasum_optimizer(optimizer: Any) -> None:
             "strategy.scope() with a plain Keras optimizer (it is wrapped for you), or pass "
             "tf_adasum.AdasumOptimizer(your_optimizer)"
         )
+
+
+def _refuse_other_processes_devices(devices: list[str], rank: int) -> None:
+    """Under the TF engine TensorFlow lists every process's devices (tf.config.list_logical_devices):
+    a replica on another process's device would run there. Raises naming them."""
+    theirs = [d for d in devices if "/task:" in d and f"/task:{rank}/" not in d]
+    if theirs:
+        raise ValueError(
+            f"AdasumStrategy(devices=...) on rank {rank} got other processes' devices {theirs}: give each "
+            f"process its own (names with /task:{rank}/, or without a task), e.g. "
+            f"[d.name for d in tf.config.list_logical_devices('GPU') if '/task:{rank}/' in d.name]"
+        )
+
+
+def _is_float_scalar_tensor(value: Any) -> bool:
+    return isinstance(value, tf.Tensor) and value.dtype.is_floating and value.shape.rank == 0
 
 
 def _local_device(comm: Any) -> str:

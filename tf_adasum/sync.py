@@ -105,7 +105,14 @@ def sync_deltas(
         for r in range(replicas)
     ]
     names = [variable_name(v) for v in variables]
-    delta = distributed.allreduce_replicas(per_replica, names, compression)
+    if replicas > 1 and getattr(distribution, "local_reduction", "adasum") == "mean":
+        # AdasumStrategy(local_reduction="mean"): this process's replicas averaged by TensorFlow's own
+        # cross-device all-reduce (NCCL between GPUs), then Adasum over the processes.
+        delta = distributed.allreduce_replicas(
+            [local_mean(distribution, per_replica, variables)], names, compression
+        )
+    else:
+        delta = distributed.allreduce_replicas(per_replica, names, compression)
     deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
     if distributed.init().size > 1:
         if deltas_sq is not None:
@@ -161,6 +168,24 @@ def start_window(
         value = tf.identity(value)
         written = tf.reduce_any(tf.not_equal(value, tf.identity(before)))
         target.assign(tf.where(tf.logical_or(opens, written), value, tf.identity(target)))
+
+
+def local_mean(
+    distribution: tf.distribute.Strategy, per_replica: list[list[tf.Tensor]], variables: list[Any]
+) -> list[tf.Tensor]:
+    """The mean over this process's replicas of each tensor (per_replica[j] is replica j's list), by
+    the strategy's cross-device ops (MirroredStrategy's: NCCL between GPUs), in cross-replica context."""
+    values = [
+        distribution.experimental_distribute_values_from_function(
+            lambda context, i=i: per_replica[context.replica_id_in_sync_group][i]
+        )
+        for i in range(len(variables))
+    ]
+    means = distribution.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.MEAN,
+        [(value, tf_variable(variable)) for value, variable in zip(values, variables, strict=True)],
+    )
+    return [tf.identity(replica_values(mean)[0]) for mean in means]
 
 
 def record_lasts(variables: list[Any], lasts: list[Any] | None) -> None:

@@ -1,0 +1,98 @@
+"""One process of the several-devices tests: AdasumStrategy over this process's logical CPUs, across
+processes, under `mpirun` or `python -m tf_adasum.run`.
+
+Usage:
+    devices_worker.py OUT_DIR COUNTS    # COUNTS: each rank's number of replicas, e.g. 2,3
+
+The logical CPUs are configured before tf_adasum is imported: under tf_adasum.run the import starts
+TensorFlow's collective runtime, after which the devices can no longer change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import tensorflow as tf
+
+# (optimizer, sync_every, local_reduction); each replica takes LOCAL rows of every global batch, for
+# STEPS steps.
+CASES = (("sgd_momentum", 1, "adasum"), ("adam", 2, "adasum"), ("adam", 1, "mean"))
+LOCAL, STEPS = 2, 4
+
+
+def configure_devices(counts: list[int]) -> None:
+    """This rank's logical CPUs, counts[rank] of them; the rank from the launcher's environment."""
+    if "TF_CONFIG" in os.environ:
+        rank = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"])
+    else:
+        rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * counts[rank]
+    )
+
+
+def main(out: Path, counts: list[int]) -> None:
+    import keras
+
+    import tf_adasum
+    from tests.test_training import build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    # Under the TF engine TensorFlow lists every process's devices (this one's first): keep its own.
+    devices = [
+        d.name
+        for d in tf.config.list_logical_devices("CPU")
+        if "/task:" not in d.name or f"/task:{comm.rank}/" in d.name
+    ]
+    assert len(devices) == counts[comm.rank], devices
+    everyone = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if everyone != devices:  # TF engine: another process's device is refused, by name
+        try:
+            tf_adasum.AdasumStrategy(devices=everyone)
+            refused = ""
+        except ValueError as error:
+            refused = str(error)
+        (out / f"devices_refused{comm.rank}.txt").write_text(refused)
+    x, y, _, _ = problem()
+    total = sum(counts)
+    rows = LOCAL * total * STEPS
+    for kind, sync_every, local_reduction in CASES:
+        strategy = tf_adasum.AdasumStrategy(
+            devices=devices, sync_every=sync_every, local_reduction=local_reduction
+        )
+        model = build_linear(strategy, lambda: make_inner(kind))  # noqa: B023
+        # Every rank starts elsewhere: the strategy must start all from rank 0's weights.
+        model.set_weights([w + comm.rank for w in model.get_weights()])
+        # The same global batches everywhere: the strategy hands each process its replicas' share.
+        history = model.fit(x[:rows], y[:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
+        evaluated = model.evaluate(x[:rows], y[:rows], batch_size=LOCAL * total, verbose=0)
+        components = [np.stack([c.numpy() for c in strategy.experimental_local_results(v.value)])
+                      for v in model.weights]  # fmt: skip
+        np.savez(out / f"devices_{kind}_{local_reduction}{comm.rank}.npz", *components)
+        info = {
+            "loss": float(history.history["loss"][-1]),
+            "evaluate": float(evaluated),
+            "replicas": strategy.num_replicas_in_sync,
+            "counts": strategy.replica_counts,
+        }
+        (out / f"devices_{kind}_{local_reduction}{comm.rank}.json").write_text(json.dumps(info))
+
+    # BatchNorm: each replica's batch moments, averaged over every replica of every process.
+    with strategy.scope():
+        bn = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+        bn.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    bn.fit(x[:rows] * (1 + comm.rank), y[:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
+    np.savez(out / f"devices_batchnorm{comm.rank}.npz", *bn.get_weights())
+
+
+if __name__ == "__main__":
+    replica_counts = [int(c) for c in sys.argv[2].split(",")]
+    configure_devices(replica_counts)  # before tf_adasum, which under tf_adasum.run starts TensorFlow
+    main(Path(sys.argv[1]), replica_counts)
