@@ -70,8 +70,12 @@ FIELDS = [
     "steps",
     "seconds",
 ]
-METHODS = {"sgd": ["average", "adasum"], "adam": ["adasum", "adasum_before"]}
-PEAK = {"sgd": 0.01, "adam": 0.002}  # the one-replica peak learning rates, tuned once (see README)
+METHODS = {"sgd": ["average", "adasum"], "adam": ["adasum", "adasum_before"], "lamb": ["average", "adasum"]}
+# The one-replica peak learning rates, tuned once (see README).
+PEAK = {"sgd": 0.01, "adam": 0.002, "lamb": 0.004}
+# "adasum_meanL": AdasumStrategy(local_reduction="mean") with L replicas per process: each group of L
+# consecutive replicas' deltas averaged, then the tree over the groups' means (Horovod's hierarchical mode).
+MEAN_PREFIX = "adasum_mean"
 
 
 class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
@@ -112,6 +116,8 @@ def make_model() -> keras.Model:
 def make_optimizer(kind: str, learning_rate: Any) -> keras.optimizers.Optimizer:
     if kind == "sgd":
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
+    if kind == "lamb":
+        return keras.optimizers.Lamb(learning_rate)
     return keras.optimizers.Adam(learning_rate)
 
 
@@ -148,7 +154,10 @@ class Replicas:
         self.shared.build(model.trainable_variables)
         self.local: list[Any] = []
         self.copies: list[list[tf.Variable]] = []
-        if method == "adasum":
+        self.group = int(method[len(MEAN_PREFIX) :]) if method.startswith(MEAN_PREFIX) else 1
+        if n % self.group:
+            raise ValueError(f"{method}: {n} replicas do not make groups of {self.group}")
+        if method == "adasum" or self.group > 1:
             for _ in range(n):
                 copy = [tf.Variable(w, trainable=False) for w in self.weights]
                 local = optimizer()
@@ -176,7 +185,15 @@ class Replicas:
                 copy.assign(w)
             self.local[r].apply(per_replica[r], self.copies[r])
             deltas.append([c - w for c, w in zip(self.copies[r], self.weights, strict=True)])
-        combined = tf_adasum.adasum_tree(deltas) if self.n > 1 else deltas[0]
+        if self.group > 1:  # each process's replicas averaged, then the tree over the processes
+            deltas = [
+                [
+                    tf.reduce_mean(tf.stack(parts), 0)
+                    for parts in zip(*deltas[g : g + self.group], strict=True)
+                ]
+                for g in range(0, self.n, self.group)
+            ]
+        combined = tf_adasum.adasum_tree(deltas) if len(deltas) > 1 else deltas[0]
         for w, d in zip(self.weights, combined, strict=True):
             w.assign_add(d)
         self._record(deltas, combined)
@@ -300,8 +317,9 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, panels = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for panel, kind in zip(panels, ("sgd", "adam"), strict=True):
+    kinds = [k for k in METHODS if k in ("sgd", "adam") or any(r["optimizer"] == k for r in rows)]
+    figure, panels = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.2), sharey=True, squeeze=False)
+    for panel, kind in zip(panels[0], kinds, strict=True):
         mine = [r for r in rows if r["optimizer"] == kind]
         for method, color in zip(METHODS[kind], ("tab:blue", "tab:red"), strict=True):
             # At N = 1 every method is the same run, stored under the first method.
@@ -324,8 +342,8 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
         panel.set_xlabel("replicas N")
         panel.set_title(f"{kind}: held-out accuracy after a fixed epoch budget")
         panel.legend(fontsize=8, loc="lower left")
-    panels[0].set_ylabel("validation accuracy (mean of the seeds)")
-    panels[0].set_ylim(0, 1)
+    panels[0][0].set_ylabel("validation accuracy (mean of the seeds)")
+    panels[0][0].set_ylim(0, 1)
     figure.tight_layout()
     figure.savefig(out / "accuracy_vs_replicas.png", dpi=110)
     plt.close(figure)
@@ -357,10 +375,17 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--multipliers", type=float, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=["sgd", "adam"])
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adam"], choices=["sgd", "adam", "lamb"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help=f"instead of each optimizer's; {MEAN_PREFIX}L: L per process",
+    )
     parser.add_argument("--epochs", type=float, default=6)
     parser.add_argument("--sgd-lr", type=float, default=PEAK["sgd"], help="one-replica peak rate, SGD")
     parser.add_argument("--adam-lr", type=float, default=PEAK["adam"], help="one-replica peak rate, Adam")
+    parser.add_argument("--lamb-lr", type=float, default=PEAK["lamb"], help="one-replica peak rate, LAMB")
     parser.add_argument("--trace-replicas", type=int, default=16, help="N whose orthogonality is plotted")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "convergence_output")
     parser.add_argument("--smoke", action="store_true", help="every part once on a sliver of the data")
@@ -370,7 +395,7 @@ def main() -> int:
         args.trace_replicas = 4
         args.out = args.out.with_name(args.out.name + "_smoke")
 
-    PEAK.update(sgd=args.sgd_lr, adam=args.adam_lr)
+    PEAK.update(sgd=args.sgd_lr, adam=args.adam_lr, lamb=args.lamb_lr)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:  # two copies of each original: generated in seconds
         data = augmented_digits(args.out / "digits16_smoke.npz", copies=2, validation_copies=1)
@@ -386,10 +411,10 @@ def main() -> int:
         (kind, method, n, multiplier, seed)
         for kind in args.optimizers
         for n in args.replicas
-        for method in METHODS[kind]
+        for method in args.methods or METHODS[kind]
         for multiplier in args.multipliers
         for seed in range(args.seeds)
-        if not (n == 1 and method != METHODS[kind][0])  # at N = 1 every method is the same
+        if not (n == 1 and method != (args.methods or METHODS[kind])[0])  # at N = 1 all are the same
     ]
     todo = [g for g in grid if (*g[:3], float(g[3]), g[4], float(args.epochs), PEAK[g[0]]) not in done]
     print(
