@@ -4,6 +4,8 @@ Usage:
     python benchmarks/bench_fit.py [--replicas 2 4] [--steps 40]            # local logical CPUs
     python benchmarks/bench_fit.py --sync-every 1 2                         # local, each sync_every
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --devices-per-process 2
+                                                        # 2 x 2: local_reduction adasum and mean
     mpirun -np 2 python benchmarks/bench_fit.py --scripts                   # existing-script entry points
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --scripts
     python benchmarks/bench_fit.py --loops [--replicas 2]                   # custom training loops
@@ -314,6 +316,9 @@ def main() -> None:
     parser.add_argument("--local-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--processes", action="store_true", help="run under tf_adasum.run or mpirun")
+    parser.add_argument(
+        "--devices-per-process", type=int, default=1, help="with --processes: logical CPUs per process"
+    )
     parser.add_argument("--scripts", action="store_true", help="AdasumCallback and op=Average, per process")
     parser.add_argument("--loops", action="store_true", help="custom training loops against fit")
     args = parser.parse_args()
@@ -337,30 +342,45 @@ def main() -> None:
         for kind in args.models:
             scripts(kind, args.local_batch, args.steps)
         return
-    if not args.processes:
+    if not args.processes or args.devices_per_process > 1:
+        count = max(args.replicas) if not args.processes else args.devices_per_process
         tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0],
-            [tf.config.LogicalDeviceConfiguration()] * max(args.replicas),
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * count
         )
     import tf_adasum
 
     for kind in args.models:
         if args.processes:
             comm = tf_adasum.init()
-            global_batch = args.local_batch * comm.size
-            adasum = fit_step_ms(tf_adasum.AdasumStrategy(), kind, global_batch, args.steps)
+            per_process = args.devices_per_process
+            # This process's logical CPUs (the TF engine lists every process's; keep its own).
+            mine = [
+                d.name
+                for d in tf.config.list_logical_devices("CPU")
+                if "/task:" not in d.name or f"/task:{comm.rank}/" in d.name
+            ][:per_process]
+            global_batch = args.local_batch * comm.size * per_process
+            row = {
+                "model": kind,
+                "processes": comm.size,
+                "devices_per_process": per_process,
+                "engine": comm.engine,
+            }
+            modes = ("adasum", "mean") if per_process > 1 else ("adasum",)
+            for mode in modes:
+                strategy = tf_adasum.AdasumStrategy(devices=mine, local_reduction=mode)
+                row[f"{mode}_ms"] = round(fit_step_ms(strategy, kind, global_batch, args.steps), 2)
+            adasum = row["adasum_ms"]
+            # MultiWorkerMirroredStrategy holds one CPU device per worker: the same global batch over
+            # one replica per process.
             baseline_name = "MultiWorkerMirroredStrategy (custom loop)"
             baseline = (
                 custom_loop_step_ms(comm.strategy, kind, global_batch, args.steps)
                 if comm.engine == "tf"
                 else None
             )
-            row = {
-                "model": kind,
-                "processes": comm.size,
-                "engine": comm.engine,
-                "adasum_ms": round(adasum, 2),
-            }
+            if baseline is not None and per_process > 1:
+                row["mean_ratio"] = round(row["mean_ms"] / baseline, 2)
             if baseline is not None:
                 row |= {
                     "baseline": baseline_name,
