@@ -14,6 +14,7 @@ Each rank's data comes from rank_tensors(rank), which the test also uses to buil
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -26,6 +27,10 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
+
+# A rank that dies of a signal (a SIGSEGV seen in about 1 of 30 runs of the weight-write checks) prints
+# every thread's Python stack into the launch's log.
+faulthandler.enable()
 
 # Every dtype, and tensors that the halving points cut (1031 float64, 33x7 float16, 300 bfloat16).
 SHAPES = [
