@@ -130,9 +130,8 @@ def _mean_over_processes(comm: Any, values: Any, weights: Sequence[float] | None
     if weights is None:
         return distributed.allreduce(values, op=distributed.Average)
     share = weights[comm.rank]
-    if isinstance(values, list):
-        return distributed.allreduce([v * tf.cast(share, v.dtype) for v in values], op=distributed.Sum)
-    return distributed.allreduce(values * tf.cast(share, values.dtype), op=distributed.Sum)
+    scaled = tf.nest.map_structure(lambda v: v * tf.cast(share, v.dtype), values)
+    return distributed.allreduce(scaled, op=distributed.Sum)
 
 
 def reduce_over_processes(value: tf.Tensor, mean: bool, weights: Sequence[float] | None = None) -> tf.Tensor:
