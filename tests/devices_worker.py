@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,6 +26,9 @@ import tensorflow as tf
 # STEPS steps.
 CASES = (("sgd_momentum", 1, "adasum"), ("adam", 2, "adasum"), ("adam", 1, "mean"))
 LOCAL, STEPS = 2, 4
+# Resumed from each process's own checkpoint after STEPS // 2 steps (a sync), then the rest: as CASES'
+# run of the same case, bitwise, every replica's optimizer state included.
+RESUMED = (("adam", 2, "adasum"), ("adam", 1, "mean"))
 
 
 def configure_devices(counts: list[int]) -> None:
@@ -43,6 +47,7 @@ def main(out: Path, counts: list[int]) -> None:
 
     import tf_adasum
     from tests.test_training import build_linear, make_inner, problem
+    from tf_adasum.variables import tf_variable
 
     comm = tf_adasum.init()
     # Under the TF engine TensorFlow lists every process's devices (this one's first): keep its own.
@@ -63,6 +68,12 @@ def main(out: Path, counts: list[int]) -> None:
     x, y, _, _ = problem()
     total = sum(counts)
     rows = LOCAL * total * STEPS
+
+    def replicas_of(strategy: Any, model: Any) -> list[np.ndarray]:
+        """Every local replica's copy of every weight and optimizer variable, stacked."""
+        return [np.stack([c.numpy() for c in strategy.experimental_local_results(tf_variable(v))])
+                for v in [*model.weights, *model.optimizer.variables]]  # fmt: skip
+
     for kind, sync_every, local_reduction in CASES:
         strategy = tf_adasum.AdasumStrategy(
             devices=devices, sync_every=sync_every, local_reduction=local_reduction
@@ -73,9 +84,25 @@ def main(out: Path, counts: list[int]) -> None:
         # The same global batches everywhere: the strategy hands each process its replicas' share.
         history = model.fit(x[:rows], y[:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
         evaluated = model.evaluate(x[:rows], y[:rows], batch_size=LOCAL * total, verbose=0)
-        components = [np.stack([c.numpy() for c in strategy.experimental_local_results(v.value)])
-                      for v in model.weights]  # fmt: skip
+        components = replicas_of(strategy, model)[: len(model.weights)]
         np.savez(out / f"devices_{kind}_{local_reduction}{comm.rank}.npz", *components)
+        if (kind, sync_every, local_reduction) in RESUMED:
+            before = build_linear(strategy, lambda: make_inner(kind))  # noqa: B023
+            before.set_weights([w + comm.rank for w in before.get_weights()])
+            half = rows // 2
+            before.fit(x[:half], y[:half], batch_size=LOCAL * total, shuffle=False, verbose=0)
+            saved = tf.train.Checkpoint(model=before, optimizer=before.optimizer).save(
+                out / f"resume_{kind}_{local_reduction}_rank{comm.rank}"  # every process its own
+            )
+            after = build_linear(strategy, lambda: make_inner(kind))  # noqa: B023
+            with strategy.scope():
+                after.optimizer.build(after.trainable_variables)
+            tf.train.Checkpoint(model=after, optimizer=after.optimizer).restore(saved)
+            after.fit(x[half:rows], y[half:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
+            resumed, went_on = replicas_of(strategy, after), replicas_of(strategy, model)
+            (out / f"resumed_{kind}_{local_reduction}{comm.rank}.json").write_text(
+                json.dumps([bool(np.array_equal(a, b)) for a, b in zip(resumed, went_on, strict=True)])
+            )
         info = {
             "loss": float(history.history["loss"][-1]),
             "evaluate": float(evaluated),

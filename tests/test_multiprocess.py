@@ -240,7 +240,7 @@ def test_resuming_across_processes_equals_training_without_a_break(engine: str, 
 def test_adasum_strategy_with_several_devices_in_each_process(
     engine: str, counts: str, tmp_path: Path
 ) -> None:
-    from tests.devices_worker import CASES, LOCAL, STEPS
+    from tests.devices_worker import CASES, LOCAL, RESUMED, STEPS
     from tests.test_training import problem, simulate
 
     per_rank = [int(c) for c in counts.split(",")]
@@ -276,6 +276,10 @@ def test_adasum_strategy_with_several_devices_in_each_process(
                 np.testing.assert_allclose(got[0], w, rtol=2e-5, atol=2e-5)
         # The epoch's loss: the mean over every step of every replica; evaluate's, over all rows.
         assert infos[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+        if (kind, sync_every, local_reduction) in RESUMED:  # every weight and optimizer variable
+            for r in range(p):
+                resumed = json.loads((tmp_path / f"resumed_{kind}_{local_reduction}{r}.json").read_text())
+                assert len(resumed) > len(weights[r]) and all(resumed), (r, resumed)
         squared = (x[:rows].astype(np.float64) @ want[0] + want[1] - y[:rows]) ** 2
         assert infos[0]["evaluate"] == pytest.approx(float(np.mean(squared)), rel=1e-5)
 
