@@ -3,6 +3,7 @@
 Usage:
     mpirun -np P python benchmarks/bench_allreduce.py [--repeats 10]          # MPI engine
     python -m tf_adasum.run -np P benchmarks/bench_allreduce.py [--repeats 10]  # TF engine
+    python -m tf_adasum.run -np 2 benchmarks/bench_allreduce.py --devices-per-process 2
 
 Rank 0 prints one JSON line per case: 1, 4, 16 and 64 MB of float32 in one tensor, and a
 ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in this run:
@@ -21,6 +22,16 @@ ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in thi
     vhdd_ms, gather_ms, and *_compiled_ms   with --algorithms: the same, each algorithm forced
                  (TF_ADASUM_ALGORITHM)
 
+With --devices-per-process D (D > 1), each process holds D logical CPUs under one AdasumStrategy, and
+each case times instead the strategy's compiled sync of every replica's deltas (what fit runs after
+the local step), per replica the case's data:
+    adasum_ms    local_reduction="adasum": the tree over every replica of every process
+    mean_ms      local_reduction="mean": the process's replicas averaged by the strategy's cross-device
+                 ops, then the tree over the processes
+    sum_ms       as above, the engine's sum all-reduce of one replica's data per process (what
+                 MultiWorkerMirroredStrategy's loop pays across processes, with one device each)
+    ratio, mean_ratio   adasum_ms / sum_ms and mean_ms / sum_ms
+
 For the cost table in benchmarks/README.md: --megabytes 1 4 16 64 256 at 2, 3 and 4 ranks.
 """
 
@@ -38,7 +49,9 @@ import numpy as np
 import tensorflow as tf
 from common import median_ms, resnet50_shapes
 
-import tf_adasum
+# Imported by main(), after --devices-per-process's logical CPUs: under tf_adasum.run the import
+# starts TensorFlow's collective runtime, which fixes the devices.
+tf_adasum: Any = None
 
 
 def engine_sum(comm: Any, tensors: list[tf.Tensor]) -> tuple[Callable[[], Any], Callable[[], None]]:
@@ -87,7 +100,37 @@ def horovod_adasum() -> Callable[[list[tf.Tensor]], Any] | None:
     return lambda tensors: [hvd.allreduce(t, op=hvd.Adasum).numpy() for t in tensors]
 
 
+def strategy_sync_ms(
+    comm: Any, shapes: list[tuple[int, ...]], per_process: int, mode: str, repeats: int, barrier: Any
+) -> float:
+    """Median ms of AdasumStrategy's compiled sync over `per_process` local replicas, each with its own
+    random deltas of `shapes`, in local_reduction `mode`."""
+    from tf_adasum import sync
+
+    mine = [
+        d.name
+        for d in tf.config.list_logical_devices("CPU")
+        if "/task:" not in d.name or f"/task:{comm.rank}/" in d.name
+    ][:per_process]
+    strategy = tf_adasum.AdasumStrategy(devices=mine, local_reduction=mode)
+    rng = np.random.default_rng(comm.rank)
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+        anchors = [tf.Variable(tf.zeros(s)) for s in shapes]
+    for v in variables:
+        for component in v.values:
+            component.assign(rng.standard_normal(v.shape).astype(np.float32))
+
+    @tf.function
+    def step() -> tf.Tensor:
+        return sync.sync_deltas(strategy, variables, anchors)
+
+    with strategy.scope():
+        return median_ms(lambda: step().numpy(), repeats, before=barrier)
+
+
 def main() -> None:
+    global tf_adasum
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -102,7 +145,20 @@ def main() -> None:
         action="store_true",
         help="leave Horovod out: its background thread slows other MPI traffic in its process",
     )
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        help="D > 1: AdasumStrategy over D logical CPUs per process, both local_reduction modes",
+    )
     args = parser.parse_args()
+    if args.devices_per_process > 1:
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * args.devices_per_process,
+        )
+    import tf_adasum
+
     comm = tf_adasum.init()
     rng = np.random.default_rng(comm.rank)
     cases = [(f"single_{mb}MB", [(mb * 2**18,)]) for mb in args.megabytes]
@@ -111,6 +167,20 @@ def main() -> None:
     for name, shapes in cases:
         tensors = [tf.constant(rng.standard_normal(s).astype(np.float32)) for s in shapes]
         sum_fn, barrier = engine_sum(comm, tensors)
+        if args.devices_per_process > 1:
+            row = {"case": name, "engine": comm.engine, "ranks": comm.size}
+            row |= {"devices_per_process": args.devices_per_process, "tensors": len(shapes)}
+            row |= {"megabytes": round(4 * sum(int(np.prod(s)) for s in shapes) / 2**20, 1)}
+            sum_ms = median_ms(sum_fn, args.repeats, before=barrier)
+            for mode in ("adasum", "mean"):
+                key = "adasum_ms" if mode == "adasum" else "mean_ms"
+                ms = strategy_sync_ms(comm, shapes, args.devices_per_process, mode, args.repeats, barrier)
+                row[key] = round(ms, 2)
+            row |= {"sum_ms": round(sum_ms, 2), "ratio": round(row["adasum_ms"] / sum_ms, 2)}
+            row["mean_ratio"] = round(row["mean_ms"] / sum_ms, 2)
+            if comm.rank == 0:
+                print(json.dumps(row), flush=True)
+            continue
         adasum_ms, compiled_ms = adasum_times(tensors, args.repeats, barrier)
         sum_ms = median_ms(sum_fn, args.repeats, before=barrier)
         sent = None
