@@ -14,7 +14,10 @@ at 32. Here:
   after the optimizer, every step: AdasumStrategy); with Adam also "adasum_before" (Adasum of the raw
   gradients, then one Adam: Horovod's op=Adasum), against "adasum" (after, the product);
 - a small learning-rate search: each method also runs at LR x2, x4, ...; the table reports x1 and the
-  best multiplier.
+  best multiplier;
+- --model transformer: the staleness study's 2-layer Transformer encoder on its pointer task (the label
+  is the token at the position the first token names) instead of the CNN, for LAMB + Adasum, the
+  paper's BERT combination; results under convergence_transformer/.
 
 N replicas run in one process, vectorised: every replica holds the same weights at the start of a step
 (they sync every step), so their gradients come from one vectorised backward pass
@@ -26,6 +29,7 @@ Usage:
     python benchmarks/convergence.py                 # the full grid, resumable from its CSV
     python benchmarks/convergence.py --smoke         # seconds: every part once, tiny
     python benchmarks/convergence.py --replicas 1 16 --seeds 1 --multipliers 1
+    python benchmarks/convergence.py --model transformer --optimizers lamb --epochs 3
 
 Writes OUT/results.csv (one row per run), OUT/orthogonality.csv (per layer, during training),
 OUT/accuracy_vs_replicas.png and OUT/orthogonality.png, and prints the table.
@@ -113,6 +117,50 @@ def make_model() -> keras.Model:
     )
 
 
+POINTER_LENGTH = 12  # tokens per sequence; the first is a position p in 1..11, the label is token p
+POINTER_VOCAB = 10  # tokens 1..9 after the first
+
+
+def pointer_task(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`count` sequences of the pointer task and their labels, generated from `seed`."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, POINTER_VOCAB, (count, POINTER_LENGTH))
+    x[:, 0] = rng.integers(1, POINTER_LENGTH, count)
+    return x.astype(np.int32), x[np.arange(count), x[:, 0]].astype(np.int32)
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """A learned vector per position, added to the token embeddings."""
+
+    def build(self, input_shape: tuple[int, ...]) -> None:
+        self.table = self.add_weight(shape=input_shape[1:], initializer="glorot_uniform", name="table")
+
+    def call(self, inputs: Any) -> Any:
+        return inputs + self.table
+
+
+def pointer_data(count: int) -> tuple[np.ndarray, ...]:
+    """`count` training sequences and count // 10 validation ones, from their own seeds."""
+    return (*pointer_task(count, 0), *pointer_task(count // 10, 1))
+
+
+def make_transformer() -> keras.Model:
+    """Token and position embeddings (32), two post-norm encoder blocks (4 heads), mean-pool, logits."""
+    width = 32
+    tokens = keras.Input((POINTER_LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(max(POINTER_VOCAB, POINTER_LENGTH), width, name="tokens")(tokens)
+    h = PositionEmbedding(name="positions")(h)
+    for block in range(2):
+        attended = keras.layers.MultiHeadAttention(4, width // 4, name=f"attention{block}")(h, h)
+        h = keras.layers.LayerNormalization(name=f"norm{block}a")(h + attended)
+        hidden = keras.layers.Dense(2 * width, activation="relu", name=f"ffn{block}a")(h)
+        h = keras.layers.LayerNormalization(name=f"norm{block}b")(
+            h + keras.layers.Dense(width, name=f"ffn{block}b")(hidden)
+        )
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(POINTER_VOCAB, name="logits")(pooled), name="encoder")
+
+
 def make_optimizer(kind: str, learning_rate: Any) -> keras.optimizers.Optimizer:
     if kind == "sgd":
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
@@ -122,6 +170,8 @@ def make_optimizer(kind: str, learning_rate: Any) -> keras.optimizers.Optimizer:
 
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# --model: the network; the Transformer is the staleness study's, on its pointer task.
+MODELS = {"cnn": make_model, "transformer": make_transformer}
 
 
 def stacked_gradients(model: keras.Model, x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
@@ -133,7 +183,8 @@ def stacked_gradients(model: keras.Model, x: tf.Tensor, y: tf.Tensor) -> list[tf
         inputs, labels = batch
         with tf.GradientTape() as tape:
             loss = LOSS(labels, model(inputs, training=True))
-        return tape.gradient(loss, weights)
+        # An Embedding's gradient comes as IndexedSlices, which vectorized_map cannot stack.
+        return [tf.convert_to_tensor(g) for g in tape.gradient(loss, weights)]
 
     return tf.vectorized_map(one, (x, y))
 
@@ -218,6 +269,7 @@ def run(
     seed: int,
     epochs: float,
     trace: Callable[[int, list[str], np.ndarray], None] | None = None,
+    model_name: str = "cnn",
 ) -> dict[str, Any]:
     """One training run; returns its CSV row. `trace(step, names, orthogonality)` sees the orthogonality."""
     x, y, x_val, y_val = data
@@ -225,7 +277,7 @@ def run(
     per_epoch = len(y) // global_batch
     total = max(1, int(per_epoch * epochs))
     keras.utils.set_random_seed(seed)
-    model = make_model()
+    model = MODELS[model_name]()
     replicas = Replicas(
         model, method, n, lambda: make_optimizer(kind, WarmupLinearDecay(PEAK[kind] * multiplier, total))
     )
@@ -235,7 +287,7 @@ def run(
     every = max(1, total // 40)
     while step < total:
         order = rng.permutation(len(y))[: per_epoch * global_batch]
-        xs = tf.constant(x[order].reshape(per_epoch, n, LOCAL_BATCH, 16, 16, 1))
+        xs = tf.constant(x[order].reshape(per_epoch, n, LOCAL_BATCH, *x.shape[1:]))
         ys = tf.constant(y[order].reshape(per_epoch, n, LOCAL_BATCH))
         for i in range(min(per_epoch, total - step)):
             replicas.step(xs[i], ys[i])
@@ -388,8 +440,16 @@ def main() -> int:
     parser.add_argument("--lamb-lr", type=float, default=PEAK["lamb"], help="one-replica peak rate, LAMB")
     parser.add_argument("--trace-replicas", type=int, default=16, help="N whose orthogonality is plotted")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "convergence_output")
+    parser.add_argument(
+        "--model",
+        default="cnn",
+        choices=list(MODELS),
+        help="transformer: the staleness study's, on its pointer task (out: convergence_transformer)",
+    )
     parser.add_argument("--smoke", action="store_true", help="every part once on a sliver of the data")
     args = parser.parse_args()
+    if args.model != "cnn" and args.out == parser.get_default("out"):
+        args.out = args.out.with_name(f"convergence_{args.model}")
     if args.smoke:
         args.replicas, args.seeds, args.multipliers, args.epochs = [1, 4], 1, [1, 2], 0.3
         args.trace_replicas = 4
@@ -397,7 +457,9 @@ def main() -> int:
 
     PEAK.update(sgd=args.sgd_lr, adam=args.adam_lr, lamb=args.lamb_lr)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.smoke:  # two copies of each original: generated in seconds
+    if args.model == "transformer":
+        data = pointer_data(2_000 if args.smoke else 20_000)
+    elif args.smoke:  # two copies of each original: generated in seconds
         data = augmented_digits(args.out / "digits16_smoke.npz", copies=2, validation_copies=1)
     else:
         data = augmented_digits(ROOT / "demo_output" / "digits16_held_out.npz")
@@ -442,7 +504,7 @@ def main() -> int:
                 for v, o in zip(names, values, strict=True)
             )
 
-        row = run(data, kind, method, n, multiplier, seed, args.epochs, trace if traced else None)
+        row = run(data, kind, method, n, multiplier, seed, args.epochs, trace if traced else None, args.model)
         append_row(results, FIELDS, row)
         if trace_rows:
             with open(traces, "w", newline="") as f:

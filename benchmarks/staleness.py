@@ -166,43 +166,6 @@ def draw_staleness(rng: np.random.Generator, s: int, draw: str, count: int) -> l
 
 # --- the experiments ---------------------------------------------------------------------------
 
-POINTER_LENGTH = 12  # tokens per sequence; the first is a position p in 1..11, the label is token p
-POINTER_VOCAB = 10  # tokens 1..9 after the first
-
-
-def pointer_task(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    x = rng.integers(1, POINTER_VOCAB, (count, POINTER_LENGTH))
-    x[:, 0] = rng.integers(1, POINTER_LENGTH, count)
-    return x.astype(np.int32), x[np.arange(count), x[:, 0]].astype(np.int32)
-
-
-class PositionEmbedding(keras.layers.Layer):
-    """A learned vector per position, added to the token embeddings."""
-
-    def build(self, input_shape: tuple[int, ...]) -> None:
-        self.table = self.add_weight(shape=input_shape[1:], initializer="glorot_uniform", name="table")
-
-    def call(self, inputs: Any) -> Any:
-        return inputs + self.table
-
-
-def make_transformer() -> keras.Model:
-    """Token and position embeddings (32), two post-norm encoder blocks (4 heads), mean-pool, logits."""
-    width = 32
-    tokens = keras.Input((POINTER_LENGTH,), dtype="int32")
-    h = keras.layers.Embedding(max(POINTER_VOCAB, POINTER_LENGTH), width, name="tokens")(tokens)
-    h = PositionEmbedding(name="positions")(h)
-    for block in range(2):
-        attended = keras.layers.MultiHeadAttention(4, width // 4, name=f"attention{block}")(h, h)
-        h = keras.layers.LayerNormalization(name=f"norm{block}a")(h + attended)
-        hidden = keras.layers.Dense(2 * width, activation="relu", name=f"ffn{block}a")(h)
-        h = keras.layers.LayerNormalization(name=f"norm{block}b")(
-            h + keras.layers.Dense(width, name=f"ffn{block}b")(hidden)
-        )
-    pooled = keras.layers.GlobalAveragePooling1D()(h)
-    return keras.Model(tokens, keras.layers.Dense(POINTER_VOCAB, name="logits")(pooled), name="encoder")
-
 
 @dataclass(frozen=True)
 class Experiment:
@@ -215,7 +178,7 @@ class Experiment:
 EXPERIMENTS = {
     "cnn": Experiment(convergence.make_model, lambda rate: keras.optimizers.SGD(rate, momentum=0.9), 0.01, 3),
     "transformer": Experiment(
-        make_transformer,
+        convergence.make_transformer,
         lambda rate: keras.optimizers.Adam(rate, beta_1=0.9, beta_2=0.98, epsilon=1e-9),
         0.003,
         3,
@@ -229,7 +192,7 @@ def load_data(name: str, out: Path, smoke: bool) -> tuple[np.ndarray, ...]:
             return augmented_digits(out / "digits16_smoke.npz", copies=2, validation_copies=1)
         return augmented_digits(ROOT / "demo_output" / "digits16_held_out.npz")
     count = 2_000 if smoke else 20_000
-    return (*pointer_task(count, 0), *pointer_task(count // 10, 1))
+    return convergence.pointer_data(count)
 
 
 def batches(

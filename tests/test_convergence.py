@@ -23,21 +23,35 @@ import convergence  # noqa: E402
 STEPS = 3
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize(("method", "kind"), [("adasum", "sgd"), ("adasum", "adam"), ("average", "sgd")])
-def test_the_vectorised_replicas_equal_the_strategy_step_for_step(method: str, kind: str, n: int) -> None:
+CNN_CASES = [
+    (m, k, "cnn", n) for n in (2, 4) for m, k in [("adasum", "sgd"), ("adasum", "adam"), ("average", "sgd")]
+]
+
+
+# The CNN, and the Transformer (an Embedding's sparse gradient among its variables) with LAMB.
+@pytest.mark.parametrize(
+    ("method", "kind", "model_name", "n"), [*CNN_CASES, ("adasum", "lamb", "transformer", 2)]
+)
+def test_the_vectorised_replicas_equal_the_strategy_step_for_step(
+    method: str, kind: str, model_name: str, n: int
+) -> None:
     rng = np.random.default_rng(n)
-    x = rng.random((STEPS * n * convergence.LOCAL_BATCH, 16, 16, 1), dtype=np.float32)
-    y = rng.integers(0, 10, len(x)).astype(np.int32)
+    count = STEPS * n * convergence.LOCAL_BATCH
+    if model_name == "transformer":
+        x, y = convergence.pointer_task(count, n)
+    else:
+        x = rng.random((count, 16, 16, 1), dtype=np.float32)
+        y = rng.integers(0, 10, len(x)).astype(np.int32)
+    make_model = convergence.MODELS[model_name]
 
     def optimizer() -> keras.optimizers.Optimizer:
         return convergence.make_optimizer(kind, convergence.WarmupLinearDecay(convergence.PEAK[kind] * 4, 10))
 
     keras.utils.set_random_seed(0)
-    simulated = convergence.make_model()
+    simulated = make_model()
     start = simulated.get_weights()
     replicas = convergence.Replicas(simulated, method, n, optimizer)
-    batches = x.reshape(STEPS, n, convergence.LOCAL_BATCH, 16, 16, 1), y.reshape(STEPS, n, -1)
+    batches = x.reshape(STEPS, n, convergence.LOCAL_BATCH, *x.shape[1:]), y.reshape(STEPS, n, -1)
     history = []
     for step in range(STEPS):
         replicas.step(tf.constant(batches[0][step]), tf.constant(batches[1][step]))
@@ -50,14 +64,19 @@ def test_the_vectorised_replicas_equal_the_strategy_step_for_step(method: str, k
             cpus(n), cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
     with strategy.scope():
-        model = convergence.make_model()
+        model = make_model()
         model.set_weights(start)
         model.compile(optimizer=optimizer(), loss=convergence.LOSS)
     for step in range(STEPS):  # one global batch at a time, each replica its contiguous share
         rows = slice(step * n * convergence.LOCAL_BATCH, (step + 1) * n * convergence.LOCAL_BATCH)
         model.fit(x[rows], y[rows], batch_size=n * convergence.LOCAL_BATCH, shuffle=False, verbose=0)
-        for got, want in zip(model.get_weights(), history[step], strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"step {step + 1}")
+        for variable, got, want in zip(model.weights, model.get_weights(), history[step], strict=True):
+            # An attention key bias shifts every logit of a query equally: its true gradient is 0, and
+            # LAMB normalises the float noise left in its place, which differs between the two runs.
+            if not variable.path.endswith("key/bias"):
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-4, atol=1e-6, err_msg=f"{variable.path}, step {step + 1}"
+                )
     # ... and the steps moved the weights: the comparison is not between two untouched models.
     assert not np.allclose(history[-1][0], start[0])
 
