@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, compression, fusion
+from tf_adasum import agreement, compression, fusion, ops
 from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.errors import NonFiniteUpdateError
 from tf_adasum.tensor_lists import indices_by_dtype
@@ -73,7 +73,8 @@ def adasum(
                 buffer = tf.identity(buffer)
         chosen = algorithm(comm, group.nbytes)
         if isinstance(comm, HostCommunicator) and group.view is not None:
-            chosen.on_host(comm, group.view, group.starts, host_threads(comm))  # in the tensor's memory
+            # Into the fresh tensor's memory, from the fused copy in it or from the input itself.
+            chosen.on_host(comm, group.view, group.starts, host_threads(comm), group.source)
             combined = buffer
         elif isinstance(comm, HostCommunicator):  # eagerly, where TensorFlow gives no writable view
             body = _host_body(comm, group.starts, chosen)
@@ -90,7 +91,7 @@ def _host_body(comm: HostCommunicator, starts: Sequence[int], chosen: Algorithm)
 
     def run(x: np.ndarray) -> list[np.ndarray]:
         buf = np.array(x)
-        chosen.on_host(comm, buf, starts, host_threads(comm))
+        chosen.on_host(comm, buf, starts, host_threads(comm), None)
         return [buf]
 
     return run
@@ -110,17 +111,23 @@ def _host_graph(
     threads = host_threads(comm)
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        buffers, norms, first = [], [], 0
+        buffers, norms, in_place, first = [], [], [], 0
         for index, (sizes, starts, pads) in zip(indices, layouts, strict=True):
             sources = arrays[first : first + len(index)]
             first += len(index)
             buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
-            norms.append(fusion.fill_host(sources, buffers[-1], starts, sizes, pads, threads))
+            # One tensor that needs no pad is read where it is (as fusion.fuse_host does eagerly).
+            in_place.append(fusion.in_place_source(sources, pads))
+            flat = in_place[-1]
+            if flat is not None:
+                norms.append(ops.host_segment_dot_norms(flat, flat, [0, sizes[0]], threads)[:, 1])
+            else:
+                norms.append(fusion.fill_host(sources, buffers[-1], starts, sizes, pads, threads))
         code = agreement.first_nonfinite_of_norms(indices, norms)
         table = comm.agree_host(agreement.codes_row(agreement.SYNC, code, metadata), "adasum sync")
         agreement.raise_unless_agreed(table, len(tensors), names)
-        for buf, (_, starts, _) in zip(buffers, layouts, strict=True):
-            algorithm(comm, buf.nbytes).on_host(comm, buf, starts.tolist(), threads)
+        for buf, (_, starts, _), source in zip(buffers, layouts, in_place, strict=True):
+            algorithm(comm, buf.nbytes).on_host(comm, buf, starts.tolist(), threads, source)
         return buffers
 
     inputs = [tensors[i] for index in indices for i in index]

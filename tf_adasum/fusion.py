@@ -54,7 +54,9 @@ class Fused:
     """One dtype's tensors in one buffer: tensor i fills [starts[i], starts[i + 1]), pads[i] of it zeros.
 
     `view` is a writable numpy view of `buffer` and `norms` the squared norms measured while filling
-    it, where fuse_host could give them (eagerly, on the host); otherwise None.
+    it, where fuse_host could give them (eagerly, on the host); otherwise None. `source`, where not
+    None, is the input itself, already laid out as the buffer (one tensor, no pad): then `buffer` is
+    not filled, and the algorithm reads the input from `source` (vhdd.vhdd_host).
     """
 
     buffer: tf.Tensor
@@ -63,6 +65,7 @@ class Fused:
     shapes: list[tf.TensorShape]
     view: np.ndarray | None = None
     norms: np.ndarray | None = None
+    source: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +85,14 @@ def fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> Fused:
     for i, pad in zip(index, pads, strict=True):
         parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
     return Fused(tf.concat(parts, 0), starts.tolist(), pads, [tensors[i].shape for i in index])
+
+
+def in_place_source(sources: Sequence[Any], pads: list[int]) -> np.ndarray | None:
+    """The one source as a flat numpy view, where it is already laid out as its fused buffer would be
+    (a single tensor that needs no pad); otherwise None."""
+    if len(sources) != 1 or pads[0]:
+        return None
+    return np.asarray(sources[0]).reshape(-1)
 
 
 def fill_host(
@@ -109,14 +120,20 @@ def fuse_host(tensors: Sequence[tf.Tensor], index: list[int], threads: int) -> F
     """fuse, eagerly, into a fresh TensorFlow tensor through a writable numpy view of it.
 
     One copy of each tensor, its squared norm computed on the way (for the finiteness check), and no
-    TensorFlow op per tensor. Where TensorFlow gives no view, this is fuse().
+    TensorFlow op per tensor; a single tensor that needs no pad is not copied at all (Fused.source).
+    Where TensorFlow gives no view, this is fuse().
     """
     sizes, starts, pads = layout(tensors, index)
     buffer, view = fresh([int(starts[-1])], tensors[index[0]].dtype)
     if view is None:
         return fuse(tensors, index)
-    norms = fill_host([tensors[i] for i in index], view, starts, sizes, pads, threads)
-    return Fused(buffer, starts.tolist(), pads, [tensors[i].shape for i in index], view, norms)
+    sources, shapes = [tensors[i] for i in index], [tensors[i].shape for i in index]
+    source = in_place_source(sources, pads)
+    if source is not None:  # no copy: the norms in a pass that only reads, the buffer left unfilled
+        norms = ops.host_segment_dot_norms(source, source, [0, sizes[0]], threads)[:, 1]
+        return Fused(buffer, starts.tolist(), pads, shapes, view, norms, source)
+    norms = fill_host(sources, view, starts, sizes, pads, threads)
+    return Fused(buffer, starts.tolist(), pads, shapes, view, norms)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -167,13 +167,21 @@ def _combine_host(
 
 
 def vhdd_host(
-    comm: HostCommunicator, buf: np.ndarray, tensor_starts: Sequence[int], threads: int = 1
+    comm: HostCommunicator,
+    buf: np.ndarray,
+    tensor_starts: Sequence[int],
+    threads: int = 1,
+    source: np.ndarray | None = None,
 ) -> None:
     """vhdd_tensors on a numpy buffer, in place, for a HostCommunicator (MPI).
 
     The same algorithm and arithmetic as vhdd_tensors, so the same bits; but every step is a call on
     numpy memory: halves are received into one scratch buffer, combined in place, and the gather
     receives each peer's part straight into its place in `buf`.
+
+    With `source` (this rank's input, laid out as `buf` and left unchanged), `buf` need hold nothing
+    yet: the first step reads the input from `source` and writes its result into `buf`, so nobody
+    copies the input into `buf` first.
     """
     p2, r = fold_size(comm.size)
     offsets = np.asarray(tensor_starts, np.int64)
@@ -181,28 +189,30 @@ def vhdd_host(
     n = len(offsets) - 1
     align = ALIGN_BYTES // buf.itemsize
     nothing = buf[:0]
+    data = buf if source is None else source  # where this rank's current values are
     if total == 0:
         return
     if rank < 2 * r:
         if rank % 2 == 1:  # folded away: hand over, then wait for the result
-            comm.sendrecv_host(rank - 1, buf, nothing, "adasum fold")
+            comm.sendrecv_host(rank - 1, data, nothing, "adasum fold")
             comm.sendrecv_host(rank - 1, nothing, buf, "adasum result to folded rank")
             return
         other = np.empty_like(buf)
         comm.sendrecv_host(rank + 1, nothing, other, "adasum fold")
-        _combine_host(comm, buf, other, buf, pieces(offsets, 0, total), n, [rank], threads)
-        scratch = other
+        _combine_host(comm, data, other, buf, pieces(offsets, 0, total), n, [rank], threads)
+        data, scratch = buf, other
     else:
         scratch = np.empty(total - total // 2 // align * align, buf.dtype)
     v = rank // 2 if rank < 2 * r else rank - r
 
     levels = _halving(v, r, p2, total, align)
-    for level in levels:
+    for level in levels:  # each level's kept half holds the next level's segment
         (klo, khi), (glo, ghi) = level.keep, level.give
-        mine, theirs = buf[klo:khi], scratch[: khi - klo]
-        comm.sendrecv_host(level.peer, buf[glo:ghi], theirs, "adasum halving")
+        mine, theirs = data[klo:khi], scratch[: khi - klo]
+        comm.sendrecv_host(level.peer, data[glo:ghi], theirs, "adasum halving")
         left, right = (mine, theirs) if level.lower else (theirs, mine)
-        _combine_host(comm, left, right, mine, pieces(offsets, klo, khi), n, level.block, threads)
+        _combine_host(comm, left, right, buf[klo:khi], pieces(offsets, klo, khi), n, level.block, threads)
+        data = buf
 
     for level in reversed(levels):  # send the part kept, receive the part given, in place
         (klo, khi), (glo, ghi) = level.keep, level.give
@@ -234,15 +244,20 @@ def gather_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequenc
 
 
 def gather_host(
-    comm: HostCommunicator, buf: np.ndarray, tensor_starts: Sequence[int], threads: int = 1
+    comm: HostCommunicator,
+    buf: np.ndarray,
+    tensor_starts: Sequence[int],
+    threads: int = 1,
+    source: np.ndarray | None = None,
 ) -> None:
-    """gather_tensors on a numpy buffer, in place, for a HostCommunicator (MPI)."""
+    """gather_tensors on a numpy buffer, in place, for a HostCommunicator (MPI); with `source`, the
+    input is read from there, as in vhdd_host."""
     offsets = np.asarray(tensor_starts, np.int64)
     total, n = int(offsets[-1]), len(offsets) - 1
     if total == 0:
         return
     rows = np.empty((comm.size, total), buf.dtype)
-    comm.allgather_host(buf, rows, "adasum gather")
+    comm.allgather_host(buf if source is None else source, rows, "adasum gather")
     everything = pieces(offsets, 0, total)
 
     def pair(left: np.ndarray, right: np.ndarray) -> np.ndarray:
@@ -262,7 +277,7 @@ class Algorithm(NamedTuple):
 
     name: str
     on_tensors: Callable[[Communicator, tf.Tensor, Sequence[int]], tf.Tensor]
-    on_host: Callable[[HostCommunicator, np.ndarray, Sequence[int], int], None]
+    on_host: Callable[[HostCommunicator, np.ndarray, Sequence[int], int, np.ndarray | None], None]
 
 
 _ALGORITHMS = {
