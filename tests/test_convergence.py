@@ -81,9 +81,9 @@ def test_the_vectorised_replicas_equal_the_strategy_step_for_step(
     assert not np.allclose(history[-1][0], start[0])
 
 
-def smoke(out: Path, script: str = "convergence.py") -> subprocess.CompletedProcess[str]:
+def smoke(out: Path, script: str = "convergence.py", *flags: str) -> subprocess.CompletedProcess[str]:
     """Runs benchmarks/`script` --smoke, writing under `out`; checks that it succeeded."""
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)]
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

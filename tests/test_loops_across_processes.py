@@ -150,20 +150,24 @@ def check_mismatch(out: Path, p: int, engine: str) -> None:
             assert seen["seconds"] < 20, seen
 
 
+# The examples run once per engine: under mpirun here, and the TF engine's under horovodrun's Gloo
+# mode below (which starts the same engine as tf_adasum.run). At 3 processes they added nothing the
+# tape loops at 3 do not reach, and cost 40 s of CI.
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
-    launch(launcher, 2, tmp_path, "tutorial", "tape", "ordering", "mismatch", "examples")
+    modes = ["tutorial", "tape", "ordering", "mismatch", *(["examples"] if launcher == "mpi" else [])]
+    launch(launcher, 2, tmp_path, *modes)
     check_tutorial(tmp_path, 2)
     check_tape(tmp_path, 2)
     check_ordering(tmp_path, 2)
     check_mismatch(tmp_path, 2, launcher)
-    check_examples(tmp_path, 2)
+    if launcher == "mpi":
+        check_examples(tmp_path, 2)
 
 
 def test_custom_loops_on_three_mpi_processes(tmp_path: Path) -> None:
-    launch("mpi", 3, tmp_path, "tape", "examples")
+    launch("mpi", 3, tmp_path, "tape")
     check_tape(tmp_path, 3)
-    check_examples(tmp_path, 3)
 
 
 def test_the_loop_examples_under_horovodrun_gloo(tmp_path: Path) -> None:

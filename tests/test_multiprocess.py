@@ -231,11 +231,11 @@ def test_resuming_across_processes_equals_training_without_a_break(engine: str, 
         assert len(results) == 6 and all(results.values()), results
 
 
-# Each rank's number of replicas (logical CPUs): 2 x 2, 3 x 2 and 2 x 3 processes, and processes that
-# hold different numbers, under each engine.
+# Each rank's number of replicas (logical CPUs), under each engine: 3 processes x 2 (equal powers of
+# two: each process's tree, then VHDD over the processes), and 2 processes of 2 and 3 (the tree split
+# inside processes). 2 x 2 and 3 x 3 take the same two paths and cost 35 s of CI.
 @pytest.mark.parametrize(
-    ("engine", "counts"),
-    [("mpi", "2,2"), ("mpi", "2,2,2"), ("mpi", "2,3"), ("tf", "3,3"), ("tf", "2,2,2"), ("tf", "3,2")],
+    ("engine", "counts"), [("mpi", "2,2,2"), ("mpi", "2,3"), ("tf", "2,2,2"), ("tf", "3,2")]
 )
 def test_adasum_strategy_with_several_devices_in_each_process(
     engine: str, counts: str, tmp_path: Path
