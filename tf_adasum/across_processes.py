@@ -31,17 +31,24 @@ from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.errors import NonFiniteUpdateError
 from tf_adasum.tensor_lists import indices_by_dtype
 from tf_adasum.tree import Span, fill_nodes, pair_on_left_device, roots_within
-from tf_adasum.vhdd import Algorithm, algorithm, host_threads
+from tf_adasum.vhdd import Algorithm, algorithm, host_threads, tree_of_rows
 
 
 def adasum(
-    comm: Communicator, tensors: Sequence[tf.Tensor], names: Sequence[str] | None = None, metadata: int = 0
+    comm: Communicator,
+    tensors: Sequence[tf.Tensor],
+    names: Sequence[str] | None = None,
+    metadata: int = 0,
+    first: bool = True,
 ) -> list[tf.Tensor]:
     """Adasum of every rank's tensors by the contract tree; tensors of each dtype are fused.
 
     First every rank agrees (agreement.py) that all ranks are at this sync with finite tensors, and,
     given `metadata` (agreement.fingerprint of the tensors), with the same shapes and dtypes;
-    otherwise every rank raises the same error before any data moves.
+    otherwise every rank raises the same error before any data moves. Compiled under the TF engine,
+    where one buffer goes by the all-gather and this is the sync's first collective (`first`), the
+    codes travel in that all-gather and are checked before the tree uses the data: one collective
+    (_gather_with_the_codes).
     """
     if comm.size == 1:
         return list(tensors)
@@ -63,6 +70,10 @@ def adasum(
         code = agreement.first_nonfinite_in_buffers(
             [(index, group.buffer, group.starts) for index, group in zip(indices, groups, strict=True)]
         )
+    if not eager and first and comm.codes_in_gathers:
+        if len(groups) == 1 and groups[0].starts[-1] and algorithm(comm, groups[0].nbytes).name == "gather":
+            return _gather_with_the_codes(comm, tensors, indices[0], groups[0], code, names, metadata)
+        agreement.traced_sync(None)
     checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(tensors), names, metadata)
 
     out: list[Any] = [None] * len(tensors)
@@ -83,6 +94,30 @@ def adasum(
             combined = chosen.on_tensors(comm, buffer, group.starts)
         for i, tensor in zip(index, group.unfuse(combined), strict=True):
             out[i] = tensor
+    return out
+
+
+def _gather_with_the_codes(
+    comm: Communicator,
+    tensors: Sequence[tf.Tensor],
+    index: list[int],
+    group: fusion.Fused,
+    code: tf.Tensor | int,
+    names: Sequence[str] | None,
+    metadata: int,
+) -> list[tf.Tensor]:
+    """A compiled sync whose one buffer goes by the all-gather, where the engine carries codes in it:
+    the agreement and the data in one collective. The codes are checked before the tree reads the
+    data, so a NaN or a rank at its epoch end raises the agreement's error on every rank, not the
+    kernels'. A rank at its epoch end issues this same collective (agreement.agree_at_epoch_end)."""
+    agreement.traced_sync((group.buffer.dtype, group.starts[-1]))
+    codes = agreement.codes_tensor(agreement.SYNC, code, metadata)
+    table, rows = comm.agree_and_gather(codes, group.buffer, "adasum sync")
+    with tf.control_dependencies([agreement.checked_table(table, len(tensors), names)]):
+        rows = tf.identity(rows)
+    out: list[Any] = [None] * len(tensors)
+    for i, tensor in zip(index, group.unfuse(tree_of_rows(comm, rows, group.starts)), strict=True):
+        out[i] = tensor
     return out
 
 

@@ -150,6 +150,29 @@ def raise_unless_agreed(table: np.ndarray, count: int = 0, names: Sequence[str] 
         )
 
 
+def codes_tensor(kind: int, value: tf.Tensor | int, metadata: int = 0) -> tf.Tensor:
+    """One rank's (kind, value, metadata) as the int64 [3] tensor agree() gathers."""
+    if isinstance(value, int):
+        return tf.constant(codes_row(kind, value, metadata))
+    return tf.stack([tf.constant(kind, tf.int64), tf.cast(value, tf.int64), tf.constant(metadata, tf.int64)])
+
+
+def checked_table(table: tf.Tensor, count: int = 0, names: Sequence[str] | None = None) -> tf.Tensor:
+    """raise_unless_agreed on a gathered table: now, eagerly; inside a tf.function, as an op whose
+    output later work must depend on."""
+    if tf.executing_eagerly():
+        raise_unless_agreed(table.numpy(), count, names)
+        return table
+
+    def check(gathered: np.ndarray) -> np.ndarray:
+        raise_unless_agreed(gathered, count, names)
+        return gathered
+
+    checked = tf.numpy_function(check, [table], tf.int64, stateful=True)
+    checked.set_shape(table.shape)
+    return checked
+
+
 def agree(
     comm: Communicator,
     kind: int,
@@ -167,24 +190,37 @@ def agree(
     Returns:
         A tensor to make later work depend on (inside a tf.function the check runs as an op).
     """
-    if isinstance(value, int):
-        codes = tf.constant(codes_row(kind, value, metadata))
-    else:
-        codes = tf.stack(
-            [tf.constant(kind, tf.int64), tf.cast(value, tf.int64), tf.constant(metadata, tf.int64)]
+    return checked_table(comm.agree(codes_tensor(kind, value, metadata), what), count, names)
+
+
+# The layout (dtype, length) of the last compiled sync traced in this process whose codes travel in
+# its data's all-gather (agree_and_gather, TF engine), or None when its codes went by agree(). A rank at
+# its epoch end must meet the others' next sync in the same collective: it issues that one.
+_last_sync_layout: list[tuple[tf.DType, int] | None] = [None]
+
+
+def traced_sync(layout: tuple[tf.DType, int] | None) -> None:
+    """Called where a compiled sync is traced: its codes go with its data (the layout) or alone (None)."""
+    _last_sync_layout[0] = layout
+
+
+def agree_at_epoch_end(comm: Communicator, batches: int) -> None:
+    """This rank's (EPOCH_END, batches) against every other rank's codes; raises as agree() does.
+
+    Under the TF engine, after a compiled sync whose codes travel with its data, the codes go in that
+    sync's collective, with zeros for the data: a rank still at that sync (uneven data) meets this one
+    there, and both raise UnevenDataError.
+    """
+    layout = _last_sync_layout[0]
+    if layout is None or not comm.codes_in_gathers:
+        agree(comm, EPOCH_END, batches, "epoch-end check")
+        return
+    with tf.init_scope():
+        dtype, length = layout
+        table, _ = comm.agree_and_gather(
+            codes_tensor(EPOCH_END, batches), tf.zeros([length], dtype), "epoch-end check"
         )
-    table = comm.agree(codes, what)
-    if tf.executing_eagerly():
-        raise_unless_agreed(table.numpy(), count, names)
-        return table
-
-    def check(gathered: np.ndarray) -> np.ndarray:
-        raise_unless_agreed(gathered, count, names)
-        return gathered
-
-    checked = tf.numpy_function(check, [table], tf.int64, stateful=True)
-    checked.set_shape(table.shape)
-    return checked
+        raise_unless_agreed(table.numpy())
 
 
 def first_nonfinite_of_norms(indices: Sequence[Sequence[int]], norms: Sequence[np.ndarray]) -> int:

@@ -164,13 +164,15 @@ def allreduce_replicas(
         code = agreement.first_nonfinite_in_replicas(local)
         checked = agreement.agree(comm, agreement.SYNC, code, "adasum sync", len(local[0]), names)
         if not tf.executing_eagerly():
+            agreement.traced_sync(None)  # this sync's first collective: where an epoch end meets it
             with tf.control_dependencies([checked]):
                 local = [[tf.identity(t) for t in r] for r in local]
     if len(set(counts)) == 1 and counts[0] & (counts[0] - 1) == 0:
         combined = adasum_tree(local) if len(local) > 1 else local[0]
+        first = max(counts) == 1
         if compression == "none":
-            return across_processes.adasum(comm, combined, names)
-        return widened(across_processes.adasum(comm, narrowed(combined), names), combined)
+            return across_processes.adasum(comm, combined, names, first=first)
+        return widened(across_processes.adasum(comm, narrowed(combined), names, first=first), combined)
     return across_processes.tree_over_replicas(comm, local, counts, fp16=compression == "fp16")
 
 

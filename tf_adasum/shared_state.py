@@ -214,4 +214,4 @@ def agree_at_epoch_end(model: keras.Model, epoch: int, batches: int) -> None:
     if comm.size == 1 or _epochs_agreed.get(model) == epoch:
         return
     _epochs_agreed[model] = epoch
-    agreement.agree(comm, agreement.EPOCH_END, batches, "epoch-end check")
+    agreement.agree_at_epoch_end(comm, batches)

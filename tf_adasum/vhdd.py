@@ -230,11 +230,15 @@ def gather_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequenc
     every other, (P - 1) N in all; VHDD sends 2 N (P - 1) / P. At 2 ranks that is the same bytes in one
     collective instead of VHDD's three, with twice the arithmetic; above, it is for small buffers.
     """
+    if int(tensor_starts[-1]) == 0:
+        return buffer
+    return tree_of_rows(comm, comm.allgather(buffer), tensor_starts)
+
+
+def tree_of_rows(comm: Communicator, rows: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
+    """gather_tensors after its all-gather: the tree over rows[q], rank q's buffer."""
     offsets = np.asarray(tensor_starts, np.int64)
     total, n = int(offsets[-1]), len(offsets) - 1
-    if total == 0:
-        return buffer
-    rows = comm.allgather(buffer)
     everything = pieces(offsets, 0, total)
 
     def pair(left: tf.Tensor, right: tf.Tensor) -> tf.Tensor:

@@ -74,6 +74,15 @@ class Communicator(abc.ABC):
         each other. It matches across eager calls and tf.function executions alike.
         """
 
+    # Whether agree_and_gather is one collective (the TF engine), so that a compiled sync sends its
+    # agreement's codes with its data.
+    codes_in_gathers = False
+
+    def agree_and_gather(self, codes: tf.Tensor, buffer: tf.Tensor, what: str) -> tuple[tf.Tensor, tf.Tensor]:
+        """agree(codes) and allgather(buffer): ([size, 3] codes, [size, len(buffer)] rows), in rank
+        order. Two collectives here; one where codes_in_gathers."""
+        return self.agree(codes, what), self.allgather(buffer)
+
     @abc.abstractmethod
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         """Every rank's picklable object, in rank order; run eagerly (also at tf.function trace time)."""

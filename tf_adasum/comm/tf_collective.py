@@ -101,6 +101,7 @@ class TFCollectiveCommunicator(Communicator):
     """
 
     engine = "tf"
+    codes_in_gathers = True
 
     def __init__(self, workers: Sequence[str], rank: int) -> None:
         hosts = [address.rsplit(":", 1)[0] for address in workers]
@@ -145,7 +146,13 @@ class TFCollectiveCommunicator(Communicator):
         self._position = {int(r): i for i, r in enumerate(order.numpy())}
 
     def _collective(
-        self, kind: str, x: tf.Tensor, members: Sequence[int], what: str, instance_key: int | None = None
+        self,
+        kind: str,
+        x: tf.Tensor,
+        members: Sequence[int],
+        what: str,
+        instance_key: int | None = None,
+        fixed_group: str = "control",
     ) -> tf.Tensor:
         members = sorted(members)
         key = _group_key(members)
@@ -153,7 +160,7 @@ class TFCollectiveCommunicator(Communicator):
             self._instances[key] += 1
             instance_key = self._instances[key]
         else:  # a fixed key of its own group, matched by every call whether eager or traced
-            key = _group_key(["control", *members])
+            key = _group_key([fixed_group, *members])
         args: dict[str, Any] = {
             "group_size": len(members),
             "group_key": key,
@@ -250,6 +257,30 @@ class TFCollectiveCommunicator(Communicator):
         stacked = self._in_rank_order(gathered)
         stacked.set_shape([self.size, *codes.shape])
         return stacked
+
+    def agree_and_gather(self, codes: tf.Tensor, buffer: tf.Tensor, what: str) -> tuple[tf.Tensor, tf.Tensor]:
+        """agree(codes) and allgather(buffer) in one collective: each rank's codes travel as the bits of
+        the first elements of its row. Returns ([size, 3] codes, [size, len(buffer)] rows), in rank order.
+
+        Like agree it has a fixed key, one per dtype and length, so a rank's eager call (an epoch end
+        with a zero buffer of the same layout) meets another's call from a traced train step.
+        """
+        words = tf.reshape(tf.bitcast(codes, buffer.dtype), [-1])  # int64 [3] -> [3 * 8 / itemsize]
+        layout = f"{buffer.dtype.name}:{int(buffer.shape[0])}".encode()
+        instance = 1 + int.from_bytes(hashlib.sha256(layout).digest()[:4], "little") % (1 << 30)
+        payload = tf.expand_dims(tf.concat([words, buffer], 0), 0)
+        if buffer.dtype == tf.bfloat16:  # the runtime gathers no bfloat16: its bits travel as float16
+            payload = tf.bitcast(payload, tf.float16)
+        gathered = self._collective("gather", payload, range(self.size), what, instance, "sync")
+        if buffer.dtype == tf.bfloat16:
+            gathered = tf.bitcast(gathered, tf.bfloat16)
+        stacked = self._in_rank_order(gathered)
+        width = int(words.shape[0])
+        stacked.set_shape([self.size, width + int(buffer.shape[0])])
+        table = tf.bitcast(tf.reshape(stacked[:, :width], [self.size, 3, width // 3]), tf.int64)
+        if width == 3:  # float64: one element per code, and bitcast keeps the shape
+            table = tf.reshape(table, [self.size, 3])
+        return table, stacked[:, width:]
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         with tf.init_scope():  # eager even while a tf.function is being traced
