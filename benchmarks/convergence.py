@@ -369,7 +369,7 @@ def plot(rows: list[dict[str, Any]], trace_rows: list[dict[str, Any]], out: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in METHODS if k in ("sgd", "adam") or any(r["optimizer"] == k for r in rows)]
+    kinds = [k for k in METHODS if any(r["optimizer"] == k for r in rows)]
     figure, panels = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4.2), sharey=True, squeeze=False)
     for panel, kind in zip(panels[0], kinds, strict=True):
         mine = [r for r in rows if r["optimizer"] == kind]
