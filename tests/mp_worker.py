@@ -39,7 +39,7 @@ SHAPES = [
     ((1031,), "float64"),
     ((33, 7), "float16"),
     ((7,), "float32"),
-    ((320,), "bfloat16"),  # one tensor of its dtype, no pad: read where it is (fusion.in_place_source)
+    ((320,), "bfloat16"),  # one tensor of its dtype, no pad: read where it is (fusion.fill_or_read_host)
     ((2, 2), "float64"),
 ]
 

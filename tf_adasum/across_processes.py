@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, compression, fusion, ops
+from tf_adasum import agreement, compression, fusion
 from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.errors import NonFiniteUpdateError
 from tf_adasum.tensor_lists import indices_by_dtype
@@ -151,13 +151,9 @@ def _host_graph(
             sources = arrays[first : first + len(index)]
             first += len(index)
             buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
-            # One tensor that needs no pad is read where it is (as fusion.fuse_host does eagerly).
-            in_place.append(fusion.in_place_source(sources, pads))
-            flat = in_place[-1]
-            if flat is not None:
-                norms.append(ops.host_segment_dot_norms(flat, flat, [0, sizes[0]], threads)[:, 1])
-            else:
-                norms.append(fusion.fill_host(sources, buffers[-1], starts, sizes, pads, threads))
+            measured, source = fusion.fill_or_read_host(sources, buffers[-1], starts, sizes, pads, threads)
+            norms.append(measured)
+            in_place.append(source)
         code = agreement.first_nonfinite_of_norms(indices, norms)
         table = comm.agree_host(agreement.codes_row(agreement.SYNC, code, metadata), "adasum sync")
         agreement.raise_unless_agreed(table, len(tensors), names)

@@ -87,12 +87,22 @@ def fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> Fused:
     return Fused(tf.concat(parts, 0), starts.tolist(), pads, [tensors[i].shape for i in index])
 
 
-def in_place_source(sources: Sequence[Any], pads: list[int]) -> np.ndarray | None:
-    """The one source as a flat numpy view, where it is already laid out as its fused buffer would be
-    (a single tensor that needs no pad); otherwise None."""
-    if len(sources) != 1 or pads[0]:
-        return None
-    return np.asarray(sources[0]).reshape(-1)
+def fill_or_read_host(
+    sources: Sequence[Any],
+    buf: np.ndarray,
+    starts: np.ndarray,
+    sizes: list[int],
+    pads: list[int],
+    threads: int,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """fill_host, except for a single source that needs no pad, which is already laid out as `buf`
+    would be: it is not copied, its norms come from a pass that only reads it, and it is returned as
+    a flat numpy view for the algorithm to read (vhdd.vhdd_host's `source`). Returns (norms, that view
+    or None)."""
+    if len(sources) == 1 and not pads[0]:
+        source = np.asarray(sources[0]).reshape(-1)
+        return ops.host_segment_dot_norms(source, source, [0, sizes[0]], threads)[:, 1], source
+    return fill_host(sources, buf, starts, sizes, pads, threads), None
 
 
 def fill_host(
@@ -127,13 +137,8 @@ def fuse_host(tensors: Sequence[tf.Tensor], index: list[int], threads: int) -> F
     buffer, view = fresh([int(starts[-1])], tensors[index[0]].dtype)
     if view is None:
         return fuse(tensors, index)
-    sources, shapes = [tensors[i] for i in index], [tensors[i].shape for i in index]
-    source = in_place_source(sources, pads)
-    if source is not None:  # no copy: the norms in a pass that only reads, the buffer left unfilled
-        norms = ops.host_segment_dot_norms(source, source, [0, sizes[0]], threads)[:, 1]
-        return Fused(buffer, starts.tolist(), pads, shapes, view, norms, source)
-    norms = fill_host(sources, view, starts, sizes, pads, threads)
-    return Fused(buffer, starts.tolist(), pads, shapes, view, norms)
+    norms, source = fill_or_read_host([tensors[i] for i in index], view, starts, sizes, pads, threads)
+    return Fused(buffer, starts.tolist(), pads, [tensors[i].shape for i in index], view, norms, source)
 
 
 @functools.lru_cache(maxsize=4096)
