@@ -500,6 +500,41 @@ def test_evaluate_and_predict_under_the_strategy() -> None:
     assert loss == pytest.approx(float(np.mean((x @ w + b - y) ** 2)), rel=1e-5)
 
 
+def test_the_strategy_holds_its_latest_iterators_until_newer_ones_replace_them() -> None:
+    # Keras's fit and evaluate drop the iterator of their symbolic build at once, and destroying a
+    # MultiDeviceIterator while its background thread reads kills the process (strategy.py,
+    # _keeping_iterators): an iterator the caller dropped must outlive KEPT_ITERATORS newer ones.
+    import gc
+    import weakref
+
+    from tf_adasum.strategy import KEPT_ITERATORS
+
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    for distributed in (
+        strategy.experimental_distribute_dataset(tf.data.Dataset.range(64).batch(8)),
+        strategy.distribute_datasets_from_function(lambda context: tf.data.Dataset.range(64).batch(4)),
+    ):
+        assert isinstance(distributed, tf.distribute.DistributedDataset)
+        dropped = weakref.ref(iter(distributed))
+        gc.collect()
+        assert dropped() is not None
+        newer = [iter(distributed) for _ in range(KEPT_ITERATORS)]
+        gc.collect()
+        assert dropped() is None
+        # Each still reads the data, split over the replicas.
+        first = next(newer[-1])
+        assert [int(v.shape[0]) for v in strategy.experimental_local_results(first)] in ([4, 4], [4])
+        del newer
+
+    x = np.ones((32, 3), np.float32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, x[:, :2], batch_size=8, verbose=0)
+    model.evaluate(x, x[:, :2], batch_size=8, verbose=0)
+    assert len(strategy._recent_iterators) == KEPT_ITERATORS  # fit's and evaluate's, at least four
+
+
 def test_thirty_two_replicas_run_three_epochs_and_predict_a_partial_batch(tmp_path: Path) -> None:
     # Epoch boundaries used to stall for minutes at 32 replicas (see _compat.quiet_per_device_iterators).
     import json

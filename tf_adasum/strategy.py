@@ -22,6 +22,7 @@ MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks (keras-team/keras#2
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import keras
@@ -31,6 +32,40 @@ from tf_adasum import _compat, agreement, distributed, sync
 from tf_adasum.errors import HookError
 from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
+
+# How many of its latest distributed iterators an AdasumStrategy holds on to (_keeping_iterators).
+KEPT_ITERATORS = 4
+_KEEPING_CLASSES: dict[type, type] = {}
+
+
+def _keeping_iterators(distributed: Any, strategy: AdasumStrategy) -> Any:
+    """`distributed` (a distributed dataset), whose iterators the strategy holds until KEPT_ITERATORS
+    newer ones replace them.
+
+    Why: Keras's fit and evaluate take one batch from a fresh iterator (their symbolic build) and drop
+    it at once. Every MirroredStrategy dataset is read through TensorFlow's MultiDeviceIterator, and
+    destroying one while its background thread is inside the host iterator's GetNext kills the process
+    (SIGSEGV in MultiDeviceBuffer::BackgroundThread, a jump to address 0x1, while the main thread is in
+    ~MultiDeviceIterator): 2 of 3 two-process runs of 40 fit-and-evaluate rounds crashed, and CI lost
+    a test to it. Held a few iterators longer, the background thread has filled its buffer or reached
+    the end of the data and waits, and destroying the iterator is safe (0 of 6 such runs crashed). It
+    costs each held iterator its prefetched batches.
+    """
+    base = type(distributed)
+    keeping = _KEEPING_CLASSES.get(base)
+    if keeping is None:
+
+        def __iter__(self: Any) -> Any:
+            iterator = base.__iter__(self)
+            if tf.executing_eagerly():  # a traced loop's iterator lives in its graph
+                self._tf_adasum_strategy._recent_iterators.append(iterator)
+            return iterator
+
+        # A subclass, so that isinstance checks on the distributed dataset still pass.
+        keeping = _KEEPING_CLASSES[base] = type(base.__name__, (base,), {"__iter__": __iter__})
+    distributed.__class__ = keeping
+    distributed._tf_adasum_strategy = strategy
+    return distributed
 
 
 def wrap_under_adasum_strategy(optimizer: Any) -> Any:
@@ -167,6 +202,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             _refuse_other_processes_devices(devices, self.comm.rank)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
+        self._recent_iterators: collections.deque[Any] = collections.deque(maxlen=KEPT_ITERATORS)
         self.sync_every = sync_every
         self.local_reduction = local_reduction  # read by sync.sync_deltas
         # Every process's number of replicas, in rank order; they may differ.
@@ -223,7 +259,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 return parts[0] if len(parts) == 1 else parts
 
             dataset = dataset.map(my_part)
-        return super().experimental_distribute_dataset(dataset, options)
+        return _keeping_iterators(super().experimental_distribute_dataset(dataset, options), self)
 
     def distribute_datasets_from_function(self, dataset_fn: Any, options: Any = None) -> Any:
         """As MultiWorkerMirroredStrategy: each process is one input pipeline of the job.
@@ -234,7 +270,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         `ctx.get_per_replica_batch_size(global_batch)` give each process its share.
         """
         if self.comm.size == 1:
-            return super().distribute_datasets_from_function(dataset_fn, options)
+            return _keeping_iterators(super().distribute_datasets_from_function(dataset_fn, options), self)
         rank, size = self.comm.rank, self.comm.size
 
         def for_this_process(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -246,7 +282,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 )
             )
 
-        return super().distribute_datasets_from_function(for_this_process, options)
+        return _keeping_iterators(super().distribute_datasets_from_function(for_this_process, options), self)
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
         """As MultiWorkerMirroredStrategy: across all replicas of all processes.
