@@ -62,12 +62,16 @@ def launch(
             (s.decode() if isinstance(s, bytes) else s) or "" for s in (expired.stdout, expired.stderr)
         ]
         log.write_text("".join(partial))
-        pytest.fail(
-            f"{launcher} launch of {p} processes ran past {LAUNCH_TIMEOUT} s:\n{log.read_text()[-5000:]}"
-        )
+        pytest.fail(f"{launcher} launch of {p} processes ran past {LAUNCH_TIMEOUT} s:\n{log_tail(out)}")
     log.write_text(result.stdout + result.stderr)
     return result.returncode
 
 
 def log_tail(out: Path) -> str:
-    return (out / "output.log").read_text()[-6000:]
+    """The end of a launch's log, after the first lines of any rank's native crash (faulthandler's
+    "Fatal Python error" and that thread's stack), which the other ranks' errors would push out of it."""
+    text = (out / "output.log").read_text()
+    lines = text.splitlines()
+    crashes = [i for i, line in enumerate(lines) if "Fatal Python error" in line]
+    crash = "".join("\n".join(lines[i : i + 24])[:3000] + "\n...\n" for i in crashes[:2])
+    return crash + text[-6000:]

@@ -13,6 +13,7 @@ import tensorflow as tf
 import tf_adasum
 from tests import oracle, processes
 from tests.mp_worker import PROCESS_WRITES, SHAPES, local_counts, rank_tensors, replica_tensors, saved
+from tests.processes import log_tail
 
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 
@@ -34,7 +35,7 @@ def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] 
 )
 def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: Path) -> None:
     code = launch(engine, p, tmp_path, "checks", {"TF_ADASUM_ALGORITHM": forced} if forced else None)
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     results = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(p)]
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(p)]
 
@@ -116,7 +117,7 @@ def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: P
     from tests.test_training import simulate
 
     code = launch(engine, 2, tmp_path, "fit")
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     weights = [list(np.load(tmp_path / f"fit{r}.npz").values()) for r in range(2)]
     want = simulate("sgd_momentum", 2, 1, 4, 8)
     for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
@@ -130,7 +131,7 @@ def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> Non
     from tests.test_training import simulate
 
     code = launch("mpi", 2, tmp_path, "replicas")
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     # A tree per process, then one over processes, misses these by 0.06 to 0.2.
     for kind, sync_every, atol in (("sgd_momentum", 1, 2e-6), ("adam", 2, 2e-5)):
         weights = [list(np.load(tmp_path / f"replicas_{kind}{r}.npz").values()) for r in range(2)]
@@ -146,7 +147,7 @@ def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> No
     from tests.test_training import problem, simulate, simulate_replicas
 
     code = launch(engine, 2, tmp_path, "strategy")
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(2)]
     infos = [json.loads((tmp_path / f"strategy{r}.json").read_text()) for r in range(2)]
     losses: list[float] = []
@@ -211,7 +212,7 @@ def test_weights_written_between_fits_across_two_processes(engine: str, tmp_path
     from tests.test_training import check_fit_write_fit
 
     code = launch(engine, 2, tmp_path, "writes")
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     for how, kind, sync_every in PROCESS_WRITES:
         ranks = [list(np.load(tmp_path / f"writes_{how}{r}.npz").values()) for r in range(2)]
         for mine, theirs in zip(*ranks, strict=True):
@@ -225,7 +226,7 @@ def test_weights_written_between_fits_across_two_processes(engine: str, tmp_path
 @pytest.mark.parametrize("engine", ["mpi", "tf"])
 def test_resuming_across_processes_equals_training_without_a_break(engine: str, tmp_path: Path) -> None:
     code = launch(engine, 2, tmp_path, "resume")
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     for r in range(2):
         results = json.loads((tmp_path / f"resume{r}.json").read_text())
         assert len(results) == 6 and all(results.values()), results
@@ -247,7 +248,7 @@ def test_adasum_strategy_with_several_devices_in_each_process(
     p, total = len(per_rank), sum(per_rank)
     worker = str(Path(__file__).with_name("devices_worker.py"))
     code = processes.launch(engine, p, tmp_path, [worker, str(tmp_path), counts])
-    assert code == 0, (tmp_path / "output.log").read_text()[-5000:]
+    assert code == 0, log_tail(tmp_path)
     x, y, _, _ = problem()
     rows = LOCAL * total * STEPS
     for r in range(p):  # TensorFlow lists every process's devices under the TF engine: refused, named
