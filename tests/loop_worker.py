@@ -136,6 +136,14 @@ def examples(out: Path) -> None:
         started = time.monotonic()
         runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
         save(out, f"example_{name}_", {"seconds": time.monotonic() - started})
+    comm = tf_adasum.init()
+    engine = {
+        "engine": comm.engine,
+        "size": comm.size,
+        "rendezvous": os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
+        "workers": getattr(comm, "workers", None),
+    }
+    save(out, "examples_engine", engine)
 
 
 def ordering(out: Path) -> None:

@@ -5,7 +5,6 @@ horovodrun; every process writes what it saw into OUT_DIR.
 Usage:
     script_worker.py OUT_DIR callback     # AdasumCallback: {SGD momentum, Adam} x sync_every {1, 2}
     script_worker.py OUT_DIR horovod      # the Horovod example port, then DistributedOptimizer(op=Average)
-    script_worker.py OUT_DIR both         # callback, then horovod
     script_worker.py OUT_DIR failures     # a NaN on rank 1; uneven shards, known and unknown length
     script_worker.py OUT_DIR killed       # rank 1 dies mid-epoch; BackupAndRestore saves every 2 batches
     script_worker.py OUT_DIR hung         # rank 1 hangs mid-epoch instead
@@ -420,8 +419,5 @@ if __name__ == "__main__":
         horovod(out_dir)
     elif mode == "failures":
         failures(out_dir)
-    elif mode == "both":  # horovodrun: a plain Keras script, then a Horovod one, in one launch
-        callback(out_dir)
-        horovod(out_dir)
     else:
         killed_or_resumed(out_dir, resume=mode == "resume", hang=mode == "hung")

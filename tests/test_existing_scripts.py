@@ -1,7 +1,8 @@
 """Existing scripts on real processes: plain Keras with AdasumCallback, Horovod scripts with
-tf_adasum.keras, and failures (a NaN, uneven data, a killed rank). Each launch runs under mpirun, the
-TF launcher, or horovodrun's Gloo mode, on 127.0.0.1, bounded by a timeout; tests/script_worker.py is
-what every process runs."""
+tf_adasum.keras, and failures (a NaN, uneven data, a killed rank). Each launch runs under mpirun or the
+TF launcher, on 127.0.0.1, bounded by a timeout; tests/script_worker.py is what every process runs.
+(horovodrun's Gloo mode, which starts the same TF engine, runs the loop examples in
+test_loops_across_processes.)"""
 
 from __future__ import annotations
 
@@ -192,21 +193,6 @@ def test_the_horovod_example_runs_with_tf_adasum_keras(launcher: str, tmp_path: 
     code = launch(launcher, 2, tmp_path, "horovod")
     assert code == 0, log_tail(tmp_path)
     check_horovod_run(tmp_path, 2)
-
-
-# At 3 processes only: 2 run under mpirun and tf_adasum.run above, and horovodrun's Gloo mode starts the
-# same TF engine.
-@pytest.mark.parametrize("p", [3])
-def test_horovodrun_gloo_runs_plain_and_horovod_scripts(p: int, tmp_path: Path) -> None:
-    code = launch("horovodrun", p, tmp_path, "both")
-    assert code == 0, log_tail(tmp_path)
-    infos, _ = load(tmp_path, "callback_case0_", p)
-    for info in infos:  # the TF engine, started from horovodrun's own rendezvous, on the loopback only
-        assert info["engine"] == "tf" and info["size"] == p, info
-        assert info["rendezvous"] == "127.0.0.1", info
-        assert all(w.startswith("127.0.0.1:") for w in info["workers"]), info
-    check_callback_run(tmp_path, p)
-    check_horovod_run(tmp_path, p)
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])

@@ -171,5 +171,13 @@ def test_custom_loops_on_three_mpi_processes(tmp_path: Path) -> None:
 
 
 def test_the_loop_examples_under_horovodrun_gloo(tmp_path: Path) -> None:
+    # horovodrun's one test: its Gloo mode starts the TF engine from horovodrun's own rendezvous, on the
+    # loopback only; the Keras scripts (AdasumCallback, the Horovod example) run on that same engine
+    # under tf_adasum.run in test_existing_scripts.
     launch("horovodrun", 2, tmp_path, "examples")
     check_examples(tmp_path, 2)
+    infos, _ = load(tmp_path, "examples_engine", 2)
+    for info in infos:
+        assert info["engine"] == "tf" and info["size"] == 2, info
+        assert info["rendezvous"] == "127.0.0.1", info
+        assert all(w.startswith("127.0.0.1:") for w in info["workers"]), info
