@@ -30,7 +30,7 @@ lint: $(STAMP)
 
 # Horovod's horovodrun launches the Gloo-mode tests; without it they would skip.
 test: build lint horovod
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # Horovod 0.28.1 built against the venv's TensorFlow (Gloo, MPI): horovodrun next to tf_adasum.
 horovod: $(VENV)/bin/horovodrun
