@@ -42,7 +42,8 @@ def median_ms(
     """The median wall time of fn() in milliseconds, over `repeats` calls after `warmup` untimed ones.
 
     Args:
-        fn: the call to time. It must wait for its result: call .numpy() on an output.
+        fn: the call to time. It must wait for its result: np.asarray on an output (not .numpy(), which
+            copies it).
         repeats: how many calls are timed.
         before: called before every call, outside the timing; for example a barrier, so that every
             rank starts each call together.
