@@ -176,12 +176,47 @@ void DotNormsSpan(const T* a, const T* b, int64_t n, double* result) {
   }
 }
 
+// A call whose output is at least this large writes it with non-temporal stores (where the CPU has
+// them): the output then costs no read of its old contents and does not push the inputs out of the
+// last-level cache. Smaller outputs stay in cache for whatever reads them next.
+constexpr int64_t kStreamingBytes = int64_t{8} << 20;
+
 template <typename T>
-void CombineSpanFloat64(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
+void CombineSpanFloat64(const T* a, const T* b, double ca, double cb, T* out, int64_t n, bool /*stream*/) {
   for (int64_t i = 0; i < n; ++i) {
     out[i] = Element<T>::Store(ca * Element<T>::Load(a[i]) + cb * Element<T>::Load(b[i]));
   }
 }
+
+#if defined(__AVX__)
+// float32 combined in float64. With `stream`, eight lanes at a time with the scalar loop's operations
+// (widen, two products, one sum, one rounding to float; no FMA), so the same bits, the output streamed
+// past the caches.
+template <>
+inline void CombineSpanFloat64<float>(const float* a, const float* b, double ca, double cb, float* out, int64_t n,
+                                      bool stream) {
+  const __m256d vca = _mm256_set1_pd(ca), vcb = _mm256_set1_pd(cb);
+  auto half = [&](__m128 x, __m128 y) {
+    return _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(vca, _mm256_cvtps_pd(x)), _mm256_mul_pd(vcb, _mm256_cvtps_pd(y))));
+  };
+  auto eight = [&](int64_t k) {
+    const __m256 x = _mm256_loadu_ps(a + k), y = _mm256_loadu_ps(b + k);
+    const __m128 lo = half(_mm256_castps256_ps128(x), _mm256_castps256_ps128(y));
+    const __m128 hi = half(_mm256_extractf128_ps(x, 1), _mm256_extractf128_ps(y, 1));
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+  };
+  auto one = [&](int64_t k) { out[k] = static_cast<float>(ca * static_cast<double>(a[k]) + cb * static_cast<double>(b[k])); };
+  if (!stream) {  // the compiler's own vectorisation of the scalar loop
+    for (int64_t i = 0; i < n; ++i) one(i);
+    return;
+  }
+  int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 31) != 0; ++i) one(i);
+  for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, eight(i));
+  _mm_sfence();  // the streamed stores are visible before the op completes
+  for (; i < n; ++i) one(i);
+}
+#endif
 
 inline float ToFloat(Half x) { return HalfToFloat(x); }
 inline float ToFloat(BFloat16 x) { return BFloat16ToFloat(x); }
@@ -232,14 +267,14 @@ constexpr bool kIsHalfType = std::is_same_v<T, Half> || std::is_same_v<T, BFloat
 
 // float32 and float64 are combined in float64; the half types in float32 while the coefficients allow.
 template <typename T>
-void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n) {
+void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n, bool stream) {
   if constexpr (kIsHalfType<T>) {
     if (CombineInFloat32(ca, cb)) {
       CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
       return;
     }
   }
-  CombineSpanFloat64(a, b, ca, cb, out, n);
+  CombineSpanFloat64(a, b, ca, cb, out, n, stream);
 }
 
 // TensorFlow runs kernels with flush-to-zero and denormals-are-zero set. Adasum must keep values near
@@ -328,11 +363,12 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
     AdasumCoefficients(dot_norms[3 * t], dot_norms[3 * t + 1], dot_norms[3 * t + 2], &coefficients[2 * t],
                        &coefficients[2 * t + 1]);
   }
+  const bool stream = total * static_cast<int64_t>(sizeof(T)) >= kStreamingBytes;
   RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
     for (int64_t k = first; k < last; ++k) {
       const Block& blk = blocks[k];
       CombineSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, coefficients[2 * blk.tensor],
-                  coefficients[2 * blk.tensor + 1], out[blk.tensor] + blk.begin, blk.end - blk.begin);
+                  coefficients[2 * blk.tensor + 1], out[blk.tensor] + blk.begin, blk.end - blk.begin, stream);
     }
   });
 }

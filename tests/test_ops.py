@@ -71,6 +71,32 @@ def test_combine_rounds_as_the_kernels_contract_says(dtype: str, case: Callable[
         np.testing.assert_array_equal(g, oracle.combined_as_the_kernels_round(x, y, row, dtype))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_outputs_past_the_streaming_size_round_as_the_contract_says(dtype: str) -> None:
+    # A call writing 8 MiB or more streams its output past the caches (kStreamingBytes in
+    # kernels/adasum_cpu.cc; float32 by its own vector loop). Same bits as the rounding contract,
+    # including a segment that starts off the 32-byte alignment of those stores (bounds at 3).
+    n = (8 << 20) // np.dtype(dtype).itemsize + 13
+    rng = np.random.default_rng(5)
+    a_np, b_np = (
+        [rng.standard_normal(n), rng.standard_normal(7)],
+        [rng.standard_normal(n), rng.standard_normal(7)],
+    )
+    a, b = _to_tf(a_np, dtype), _to_tf(b_np, dtype)
+    dot_norms = ops.adasum_dot_norms(a, b)
+    got = ops.adasum_combine(a, b, dot_norms)
+    for g, x, y, row in zip(_to_np(got), _to_np(a), _to_np(b), dot_norms.numpy(), strict=True):
+        np.testing.assert_array_equal(g, oracle.combined_as_the_kernels_round(x, y, row, dtype))
+    bounds = tf.constant([0, 3, n], tf.int64)
+    rows = ops.adasum_segment_dot_norms(a[0], b[0], bounds)
+    pieces = ops.adasum_segment_combine(a[0], b[0], rows, bounds).numpy().astype(np.float64)
+    x, y = _to_np(a)[0], _to_np(b)[0]
+    for (lo, hi), row in zip([(0, 3), (3, n)], rows.numpy(), strict=True):
+        np.testing.assert_array_equal(
+            pieces[lo:hi], oracle.combined_as_the_kernels_round(x[lo:hi], y[lo:hi], row, dtype)
+        )
+
+
 def test_bfloat16_with_a_huge_coefficient_is_rounded_once_from_float64() -> None:
     # Coefficients beyond 2^32 send bfloat16 through float64. ca = (1 + 2^-8 + 2^-30) 2^40 lies just
     # above the midpoint between two bfloat16 values; float32 would round it onto the midpoint, and
