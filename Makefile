@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Horovod's horovodrun launches the Gloo-mode tests; without it they would skip.
+# Horovod's horovodrun launches the Gloo-mode test; without it that test would skip.
 test: build lint horovod
 	$(PY) -m pytest -q --durations=20
 

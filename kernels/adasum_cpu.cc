@@ -176,9 +176,9 @@ void DotNormsSpan(const T* a, const T* b, int64_t n, double* result) {
   }
 }
 
-// A call whose output is at least this large writes it with non-temporal stores (where the CPU has
-// them): the output then costs no read of its old contents and does not push the inputs out of the
-// last-level cache. Smaller outputs stay in cache for whatever reads them next.
+// A float32 call whose output is at least this large writes it with non-temporal stores (with AVX;
+// other dtypes ignore it): the output then costs no read of its old contents and does not push the
+// inputs out of the last-level cache. Smaller outputs stay in cache for whatever reads them next.
 constexpr int64_t kStreamingBytes = int64_t{8} << 20;
 
 template <typename T>

@@ -31,7 +31,8 @@ def launch(
         worker: the script and its arguments.
         extra_env: more environment; TF_ADASUM_TIMEOUT_SECONDS defaults to PEER_TIMEOUT_SECONDS.
     """
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    # PYTHONFAULTHANDLER: a rank that dies of a signal prints its threads' stacks (log_tail shows them).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1")
     env["TF_ADASUM_TIMEOUT_SECONDS"] = PEER_TIMEOUT_SECONDS
     env.update(extra_env or {})
     env.pop("TF_CONFIG", None)

@@ -1,6 +1,6 @@
 """One process of the existing-scripts tests: plain Keras scripts under AdasumCallback, Horovod scripts
-under tf_adasum.keras, and what happens when a rank fails. Started by mpirun, `python -m tf_adasum.run` or
-horovodrun; every process writes what it saw into OUT_DIR.
+under tf_adasum.keras, and what happens when a rank fails. Started by mpirun or `python -m tf_adasum.run`;
+every process writes what it saw into OUT_DIR.
 
 Usage:
     script_worker.py OUT_DIR callback     # AdasumCallback: {SGD momentum, Adam} x sync_every {1, 2}

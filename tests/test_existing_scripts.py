@@ -78,6 +78,10 @@ def test_adasum_callback_on_three_processes_equals_the_simulation(launcher: str,
     code = launch(launcher, 3, tmp_path, "callback")
     assert code == 0, log_tail(tmp_path)
     check_callback_run(tmp_path, 3)
+    infos, _ = load(tmp_path, "callback_case0_", 3)
+    for info in infos:  # the engine the launcher starts: MPI under mpirun, the TF engine's workers else
+        assert info["engine"] == launcher and info["size"] == 3, info
+        assert (info["workers"] is None) == (launcher == "mpi"), info
 
 
 def test_the_simulation_can_tell_root_and_sync_every_apart() -> None:

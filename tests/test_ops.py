@@ -87,6 +87,19 @@ def test_outputs_past_the_streaming_size_round_as_the_contract_says(dtype: str) 
     got = ops.adasum_combine(a, b, dot_norms)
     for g, x, y, row in zip(_to_np(got), _to_np(a), _to_np(b), dot_norms.numpy(), strict=True):
         np.testing.assert_array_equal(g, oracle.combined_as_the_kernels_round(x, y, row, dtype))
+
+    # Inside a tf.function on temporaries, Combine may write its output over an input (forwarding).
+    @tf.function
+    def on_temporaries(x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        x2, y2 = x * 2, y * 2  # exact: the same values, twice as large
+        rows = ops.adasum_dot_norms([x2], [y2])
+        return ops.adasum_combine([x2], [y2], rows)[0], rows
+
+    doubled, row = on_temporaries(a[0], b[0])
+    x, y = _to_np(a)[0] * 2, _to_np(b)[0] * 2
+    want = oracle.combined_as_the_kernels_round(x, y, row.numpy()[0], dtype)
+    np.testing.assert_array_equal(doubled.numpy().astype(np.float64), want)
+
     bounds = tf.constant([0, 3, n], tf.int64)
     rows = ops.adasum_segment_dot_norms(a[0], b[0], bounds)
     pieces = ops.adasum_segment_combine(a[0], b[0], rows, bounds).numpy().astype(np.float64)

@@ -65,8 +65,9 @@ def test_saved_models_and_keras_files_load_without_tf_adasum(tmp_path: Path) -> 
     y = rng.standard_normal((16, 2)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     predictions, names = {}, []
-    # Each entry point, trained (the optimizer's variables built) and not: four of the six pairs, for
-    # CI's time; each pair saves and loads in three formats.
+    # Four of the six (entry point, trained) pairs, for CI's time: the strategy trained and not, a
+    # trained AdasumOptimizer, an untrained AllreduceOptimizer (a trained AllreduceOptimizer and an
+    # untrained AdasumOptimizer are left out); each pair saves and loads in three formats.
     for entry, trained in (
         ("strategy", False),
         ("strategy", True),

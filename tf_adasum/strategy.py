@@ -46,10 +46,11 @@ def _keeping_iterators(distributed: Any, strategy: AdasumStrategy) -> Any:
     it at once. Every MirroredStrategy dataset is read through TensorFlow's MultiDeviceIterator, and
     destroying one while its background thread is inside the host iterator's GetNext kills the process
     (SIGSEGV in MultiDeviceBuffer::BackgroundThread, a jump to address 0x1, while the main thread is in
-    ~MultiDeviceIterator): 2 of 3 two-process runs of 40 fit-and-evaluate rounds crashed, and CI lost
-    a test to it. Held a few iterators longer, the background thread has filled its buffer or reached
-    the end of the data and waits, and destroying the iterator is safe (0 of 6 such runs crashed). It
-    costs each held iterator its prefetched batches.
+    ~MultiDeviceIterator): 7 of 15 two-process runs of 40 fit-and-evaluate rounds crashed, and CI lost
+    a test to it. Held a few iterators longer, the background thread has normally filled its buffer or
+    reached the end of the data and waits, and destroying the iterator is safe (0 of 11 such runs
+    crashed). A mitigation by count, not a guarantee. It costs each held iterator its prefetched
+    batches.
     """
     base = type(distributed)
     keeping = _KEEPING_CLASSES.get(base)
