@@ -5,6 +5,7 @@ children here are tiny scripts that import nothing heavy."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,3 +84,20 @@ def test_the_timeout_kills_everything(tmp_path: Path, capfd: pytest.CaptureFixtu
     assert code == 124 and seconds < 30, (code, seconds)
     assert "killed all 2 processes after the 3 s timeout" in capfd.readouterr().err
     assert not alive(tmp_path, 0) and not alive(tmp_path, 1)
+
+
+def test_the_launcher_itself_imports_no_tensorflow(tmp_path: Path) -> None:
+    # Python imports the package before it runs `-m tf_adasum.run`; the launcher needs none of it, and
+    # importing TensorFlow there cost every launch 5 s of CPU before its first worker started.
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    command = [sys.executable, "-X", "importtime", "-m", "tf_adasum.run", "-np", "1"]
+    command += [str(script), str(tmp_path), "ok"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hello from 0 of 1" in done.stdout, done.stdout
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in lines]
+    assert "tf_adasum" in imported, imported[-20:]  # the package, whose __init__ stops early
+    heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
+    assert not heavy, heavy[:10]

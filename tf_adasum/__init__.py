@@ -3,98 +3,109 @@
 This is the public face, and the one place where importing tf_adasum changes Keras: the six
 install_* calls below (each hook is described in _compat.py). AdasumStrategy also turns tf.data
 autotuning off on per-device prefetch datasets when it is created (_compat.quiet_per_device_iterators).
+
+`python -m tf_adasum.run`, the launcher, imports this package before it runs and needs none of it:
+there nothing below the check is imported, TensorFlow included (5 s of CPU per launch here).
 """
 
-import functools
-import importlib.metadata
-
-from tf_adasum import _quiet
-
-# The demo and the examples start without TensorFlow's C++ start-up log (see _quiet). The imports below
-# import TensorFlow, so this comes first.
-if _quiet.wanted():
-    _quiet.import_tensorflow_quietly()
-
-from tf_adasum import _compat, callbacks, engine, errors, ops, strategy, sync
-from tf_adasum.callbacks import AdasumCallback
-from tf_adasum.distributed import (
-    Adasum,
-    Average,
-    ReduceOp,
-    Sum,
-    allreduce,
-    broadcast,
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    launched_for_the_tf_engine,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from tf_adasum.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
-from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
-from tf_adasum.strategy import AdasumStrategy
-from tf_adasum.tree import adasum_tree
-
-__all__ = [
-    "Adasum",
-    "AdasumCallback",
-    "AdasumOptimizer",
-    "AdasumStrategy",
-    "AllreduceOptimizer",
-    "Average",
-    "HookError",
-    "NonFiniteUpdateError",
-    "PeerError",
-    "ReduceOp",
-    "Sum",
-    "UnevenDataError",
-    "adasum_tree",
-    "allreduce",
-    "broadcast",
-    "callbacks",
-    "cross_rank",
-    "cross_size",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "ops",
-    "rank",
-    "shutdown",
-    "size",
-]
-__version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproject.toml
-
-# Everything importing tf_adasum changes in Keras, each with tf_adasum's policy passed in.
-_compat.warn_at_import()
-# compile() resolves its optimizer through keras.optimizers.get: under an AdasumStrategy, AdasumOptimizer.
-_compat.install_optimizer_get(strategy.wrap_under_adasum_strategy)
+import sys
 
 
-def _before_train_function(model: object) -> None:
-    strategy.adopt_optimizer_compiled_outside(model)
-    sync.without_xla(model)
+def _the_launcher_alone() -> bool:
+    """Whether this import is Python's, locating `-m tf_adasum.run` (sys.argv[0] is "-m" until then)."""
+    argv = list(getattr(sys, "orig_argv", []))
+    return sys.argv[:1] == ["-m"] and "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["tf_adasum.run"]
 
 
-# Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
-# compiled outside an AdasumStrategy's scope made an AdasumOptimizer, and XLA off where a step syncs.
-_compat.install_step_hooks(
-    functools.partial(errors.translate_errors, current_comm=engine.current), _before_train_function
-)
-# Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
-_compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
-# Under an AdasumStrategy a plain optimizer's step in a strategy.run loop runs as an AdasumOptimizer's,
-# and nothing sums the replicas' gradients.
-_compat.install_optimizer_apply(strategy.adasum_for)
-_compat.install_gradient_sum_guard(strategy.refuse_gradient_mean)
+if not _the_launcher_alone():
+    import functools
+    import importlib.metadata
 
-# TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
-# imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
-# `python -m tf_adasum.run` started for the TF engine starts it here.
-if launched_for_the_tf_engine():
-    init()
+    from tf_adasum import _quiet
+
+    # The demo and the examples start without TensorFlow's C++ start-up log (see _quiet). The imports below
+    # import TensorFlow, so this comes first.
+    if _quiet.wanted():
+        _quiet.import_tensorflow_quietly()
+
+    from tf_adasum import _compat, callbacks, engine, errors, ops, strategy, sync
+    from tf_adasum.callbacks import AdasumCallback
+    from tf_adasum.distributed import (
+        Adasum,
+        Average,
+        ReduceOp,
+        Sum,
+        allreduce,
+        broadcast,
+        cross_rank,
+        cross_size,
+        init,
+        is_initialized,
+        launched_for_the_tf_engine,
+        local_rank,
+        local_size,
+        rank,
+        shutdown,
+        size,
+    )
+    from tf_adasum.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
+    from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
+    from tf_adasum.strategy import AdasumStrategy
+    from tf_adasum.tree import adasum_tree
+
+    __all__ = [
+        "Adasum",
+        "AdasumCallback",
+        "AdasumOptimizer",
+        "AdasumStrategy",
+        "AllreduceOptimizer",
+        "Average",
+        "HookError",
+        "NonFiniteUpdateError",
+        "PeerError",
+        "ReduceOp",
+        "Sum",
+        "UnevenDataError",
+        "adasum_tree",
+        "allreduce",
+        "broadcast",
+        "callbacks",
+        "cross_rank",
+        "cross_size",
+        "init",
+        "is_initialized",
+        "local_rank",
+        "local_size",
+        "ops",
+        "rank",
+        "shutdown",
+        "size",
+    ]
+    __version__ = importlib.metadata.version("tf_adasum")  # the one place is pyproject.toml
+
+    # Everything importing tf_adasum changes in Keras, each with tf_adasum's policy passed in.
+    _compat.warn_at_import()
+    # compile() resolves its optimizer through keras.optimizers.get: under an AdasumStrategy, AdasumOptimizer.
+    _compat.install_optimizer_get(strategy.wrap_under_adasum_strategy)
+
+    def _before_train_function(model: object) -> None:
+        strategy.adopt_optimizer_compiled_outside(model)
+        sync.without_xla(model)
+
+    # Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
+    # compiled outside an AdasumStrategy's scope made an AdasumOptimizer, and XLA off where a step syncs.
+    _compat.install_step_hooks(
+        functools.partial(errors.translate_errors, current_comm=engine.current), _before_train_function
+    )
+    # Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
+    _compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
+    # Under an AdasumStrategy a plain optimizer's step in a strategy.run loop runs as an AdasumOptimizer's,
+    # and nothing sums the replicas' gradients.
+    _compat.install_optimizer_apply(strategy.adasum_for)
+    _compat.install_gradient_sum_guard(strategy.refuse_gradient_mean)
+
+    # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
+    # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
+    # `python -m tf_adasum.run` started for the TF engine starts it here.
+    if launched_for_the_tf_engine():
+        init()
