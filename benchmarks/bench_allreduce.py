@@ -24,6 +24,9 @@ ResNet-50-like list of 161 tensors (25.6M float32). Figures, all measured in thi
                  MirroredStrategy per process), and replicas_per_adasum, its ratio to adasum_ms
     vhdd_ms, gather_ms, and *_compiled_ms   with --algorithms: the same, each algorithm forced
                  (TF_ADASUM_ALGORITHM)
+    fill_ms, agree_ms, vhdd_host_ms   with --phases (MPI, one-tensor cases): the parts of the eager
+                 call timed alone, each after a barrier: the fused buffer's fill and norms, the
+                 agreement's all-gather, and the algorithm on a host buffer
 
 With --devices-per-process D (D > 1), each process holds D logical CPUs under one AdasumStrategy, and
 each case times instead the strategy's compiled sync of every replica's deltas (what fit runs after
@@ -103,6 +106,34 @@ def horovod_adasum() -> Callable[[list[tf.Tensor]], Any] | None:
     return lambda tensors: [np.asarray(hvd.allreduce(t, op=hvd.Adasum)) for t in tensors]
 
 
+def phase_times(
+    comm: Any, tensors: list[tf.Tensor], repeats: int, barrier: Callable[[], None]
+) -> dict[str, float]:
+    """(MPI) Each part of an eager Adasum call timed alone, as the call runs it: the fused buffer's
+    fill and norms (fusion.fuse_host), the agreement (one all-gather of three int64 codes), and the
+    algorithm in place on a host buffer, level by level; Python's share is what the call costs above
+    their sum."""
+    from tf_adasum import agreement, fusion, vhdd
+    from tf_adasum.tensor_lists import indices_by_dtype
+
+    (index,) = indices_by_dtype(tensors)
+    threads = vhdd.host_threads(comm)
+    fill = median_ms(lambda: fusion.fuse_host(tensors, index, threads), repeats, before=barrier)
+    codes = agreement.codes_row(agreement.SYNC, -1, 1)
+    agree = median_ms(lambda: comm.agree_host(codes, "bench agreement"), repeats, before=barrier)
+    group = fusion.fuse_host(tensors, index, threads)
+    chosen = vhdd.algorithm(comm, group.nbytes)
+    # As the call runs it: reading this rank's values from the input (or the filled buffer), writing
+    # the result into a buffer of its own.
+    source = group.source if group.source is not None else np.array(group.view)
+    out = np.empty_like(source)
+    algorithm = median_ms(
+        lambda: chosen.on_host(comm, out, group.starts, threads, source), repeats, before=barrier
+    )
+    row = {"fill_ms": round(fill, 2), "agree_ms": round(agree, 2)}
+    return row | {f"{chosen.name}_host_ms": round(algorithm, 2)}
+
+
 def strategy_sync_ms(
     comm: Any, shapes: list[tuple[int, ...]], per_process: int, mode: str, repeats: int, barrier: Any
 ) -> float:
@@ -143,6 +174,9 @@ def main() -> None:
         "--algorithms", nargs="*", default=[], choices=["vhdd", "gather"], help="also time each one forced"
     )
     parser.add_argument("--local-replicas", type=int, default=0, help="also time allreduce_replicas")
+    parser.add_argument(
+        "--phases", action="store_true", help="(MPI) also time the fill, agreement and algorithm alone"
+    )
     parser.add_argument(
         "--no-horovod",
         action="store_true",
@@ -207,6 +241,8 @@ def main() -> None:
             eager, compiled = adasum_times(tensors, args.repeats, barrier)
             del os.environ["TF_ADASUM_ALGORITHM"]
             row |= {f"{forced}_ms": round(eager, 2), f"{forced}_compiled_ms": round(compiled, 2)}
+        if args.phases and comm.engine == "mpi" and len(shapes) == 1:
+            row |= phase_times(comm, tensors, args.repeats, barrier)
         if args.local_replicas:
             local = [[t * (1.0 + r) for t in tensors] for r in range(args.local_replicas)]
             replicas_ms = median_ms(

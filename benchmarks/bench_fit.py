@@ -4,6 +4,9 @@ Usage:
     python benchmarks/bench_fit.py [--replicas 2 4] [--steps 40]            # local logical CPUs
     python benchmarks/bench_fit.py --sync-every 1 2                         # local, each sync_every
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes       # 2 processes, TF engine
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --sync-every 1 1000
+                                                        # also the step with no sync in it: the
+                                                        # sync's share of the step, by difference
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --devices-per-process 2
                                                         # 2 x 2: local_reduction adasum and mean
     mpirun -np 2 python benchmarks/bench_fit.py --scripts                   # existing-script entry points
@@ -311,7 +314,7 @@ def main() -> None:
         "--models", nargs="+", default=["mlp", "cnn", "resnet"], choices=["mlp", "cnn", "resnet"]
     )
     parser.add_argument(
-        "--sync-every", type=int, nargs="+", default=[1], help="local: AdasumStrategy(sync_every=...)"
+        "--sync-every", type=int, nargs="+", default=[1], help="AdasumStrategy(sync_every=...)"
     )
     parser.add_argument("--local-batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
@@ -370,6 +373,10 @@ def main() -> None:
             for mode in modes:
                 strategy = tf_adasum.AdasumStrategy(devices=mine, local_reduction=mode)
                 row[f"{mode}_ms"] = round(fit_step_ms(strategy, kind, global_batch, args.steps), 2)
+            for every in (k for k in args.sync_every if k != 1):  # sync_every=k across processes
+                strategy = tf_adasum.AdasumStrategy(devices=mine, sync_every=every)
+                step = fit_step_ms(strategy, kind, global_batch, args.steps)
+                row[f"adasum_sync_every_{every}_ms"] = round(step, 2)
             adasum = row["adasum_ms"]
             # MultiWorkerMirroredStrategy holds one CPU device per worker: the same global batch over
             # one replica per process.

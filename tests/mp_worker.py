@@ -77,6 +77,9 @@ def checks(out: Path) -> None:
     for i, t in enumerate(tf_adasum.allreduce(tensors)):
         results[f"adasum_eager_{i}"] = saved(t)
         results[f"dtype_{i}"] = np.array(t.dtype.name)
+    # Again, eagerly: under the TF engine the same compiled function, its collectives' keys reused.
+    for i, t in enumerate(tf_adasum.allreduce(tensors)):
+        results[f"adasum_again_{i}"] = saved(t)
     in_graph = tf.function(lambda ts: tf_adasum.allreduce(ts))
     for i, t in enumerate(in_graph(tensors)):
         results[f"adasum_function_{i}"] = saved(t)
@@ -140,6 +143,8 @@ def checks(out: Path) -> None:
         "replica_mismatch": replica_mismatch,
         "narrowed": narrowed,
         "engine": comm.engine,
+        # The eager Adasum calls' compiled functions (TF engine): one per signature, none under MPI.
+        "compiled_syncs": len(tf_adasum.distributed._compiled_syncs),
         "size": comm.size,
         "local_rank": comm.local_rank,
         "mismatch": message,

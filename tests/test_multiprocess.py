@@ -50,6 +50,7 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
         for r in range(p):  # bitwise identical on every rank, in and out of tf.function
             np.testing.assert_array_equal(results[r][f"adasum_eager_{i}"], got)
             np.testing.assert_array_equal(results[r][f"adasum_function_{i}"], got)
+            np.testing.assert_array_equal(results[r][f"adasum_again_{i}"], got)
 
     # Several replicas per process. Two each: each process's tree, then VHDD over processes; three, or
     # 1, 2, 3, 1, ...: the tree splits inside processes, and the result is adasum_tree's over all the
@@ -86,6 +87,9 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
         assert results[r]["scalar_sum"].shape == () and results[r]["scalar_sum"] == 2.5 * p
         np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
         assert infos[r]["engine"] == engine and infos[r]["size"] == p
+        # Eager Adasum under the TF engine: one compiled function per signature, reused (the tensors,
+        # the mismatched pair, the NaN pair); MPI runs it on the host, uncompiled.
+        assert infos[r]["compiled_syncs"] == (3 if engine == "tf" else 0), infos[r]
         # The norms measured while fusing (MPI) or by the op (TF) find the NaN in the bfloat16 tensor.
         assert f"rank {p - 1}: tensor 1 of 2 holds NaN or Inf" in infos[r]["nonfinite"], infos[r]
         assert infos[r]["mismatch"] == (

@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import across_processes, agreement, fusion, ops
+from tf_adasum import across_processes, agreement, errors, fusion, ops
 from tf_adasum.comm.base import Communicator
 from tf_adasum.compression import narrowed, widened
 from tf_adasum.engine import (
@@ -100,8 +100,12 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     if op is Adasum and tf.executing_eagerly() and comm.size > 1:
         # Eagerly the shapes are checked by fingerprint in the sync's agreement, with no round of
         # their own; how they differ is gathered only when they do.
+        metadata = agreement.fingerprint(items)
         try:
-            out = across_processes.adasum(comm, items, names, agreement.fingerprint(items))
+            if items and comm.compiles_eager_syncs:
+                out = _compiled_adasum(comm, items, names, metadata)
+            else:
+                out = across_processes.adasum(comm, items, names, metadata)
         except agreement.MetadataDiffers:
             agreement.check_same_on_all_ranks(comm, items, what, names)
             raise
@@ -114,6 +118,42 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
         if op is Average:
             out = [t / comm.size if t.dtype.is_floating else t // comm.size for t in out]
     return out[0] if single else out
+
+
+# The compiled eager syncs, per communicator, by (the tensors' specs, their names): a process calls
+# few signatures, so the cache is not bounded.
+_compiled_syncs: dict[tuple[int, Any], Any] = {}
+
+
+def _compiled_adasum(
+    comm: Communicator, items: Sequence[tf.Tensor], names: Sequence[str] | None, metadata: int
+) -> list[tf.Tensor]:
+    """Eager Adasum as one compiled function per signature (engines whose collectives are TensorFlow
+    ops): no per-op dispatch, and the same agreement first as the eager path, whose fixed key meets
+    every rank's call whatever its shapes. The codes do not ride in the data's all-gather here: that
+    collective's key is its layout's, so ranks with different shapes would not meet in it."""
+    key = (id(comm), (tuple((t.dtype, tuple(t.shape)) for t in items), tuple(names or ())))
+    sync = _compiled_syncs.get(key)
+    if sync is None:
+
+        def body(*tensors: tf.Tensor) -> list[tf.Tensor]:
+            with comm.instance_keys_of(metadata):
+                return across_processes.adasum(comm, list(tensors), names, metadata, first=False)
+
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in items]
+        sync = tf.function(body, input_signature=specs, autograph=False)
+        _compiled_syncs[key] = sync
+    try:
+        return list(sync(*items))
+    except tf.errors.OpError as error:
+        if "MetadataDiffers" in error.message:  # raised by the agreement, on every rank
+            raise agreement.MetadataDiffers(error.message) from error
+        if isinstance(error, errors.LOST_PEER):  # as the eager path's collectives tell it
+            raise comm.peer_error(error, "allreduce(op=Adasum)") from error
+        translated = errors.translate(error, comm)
+        if translated is None:
+            raise
+        raise translated from error
 
 
 def allreduce_compressed(

@@ -45,6 +45,9 @@ ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (PeerError, NonFiniteUpdateError, UnevenDataError)
 }
 
+# What the collective runtime raises for a peer it lost.
+LOST_PEER = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError)
+
 _RAISED_IN_GRAPH = re.compile(rf"^(?:[\w.]+\.)?({'|'.join(ERRORS)}): (.+)$", re.MULTILINE)
 
 
@@ -58,8 +61,7 @@ def translate(error: tf.errors.OpError, comm: Any) -> Exception | None:
     raised = _RAISED_IN_GRAPH.search(error.message)
     if raised:
         return ERRORS[raised.group(1)](raised.group(2))
-    lost_peer = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError)
-    if comm is not None and comm.size > 1 and isinstance(error, lost_peer):
+    if comm is not None and comm.size > 1 and isinstance(error, LOST_PEER):
         peer = comm.peer_of(error.message)
         who = f"rank {peer}" if peer is not None else "a peer"
         return PeerError(

@@ -9,13 +9,14 @@ memory kind (vhdd.py), on tensors for every engine and on host buffers for these
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.errors import PeerError
+from tf_adasum.errors import PeerError, timeout_seconds
 
 
 class Communicator(abc.ABC):
@@ -44,6 +45,17 @@ class Communicator(abc.ABC):
     def peer_of(self, message: str) -> int | None:
         """The rank that an engine's error message names, if it names one."""
         return None
+
+    def peer_error(self, error: tf.errors.OpError, what: str, members: Sequence[int] = ()) -> PeerError:
+        """What a collective's lost peer (the runtime's timeout, unavailable or cancelled error) is told
+        as: the rank the runtime names, or else every other member (every other rank by default)."""
+        named = self.peer_of(error.message)
+        among = members or range(self.size)
+        others = [named] if named is not None else [m for m in among if m != self.rank]
+        return PeerError(
+            f"rank {self.rank}: {what} with rank(s) {others} failed within {timeout_seconds():.0f} s "
+            f"(TF_ADASUM_TIMEOUT_SECONDS): {error.message.strip().splitlines()[0]}"
+        )
 
     @abc.abstractmethod
     def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
@@ -77,6 +89,15 @@ class Communicator(abc.ABC):
     # Whether agree_and_gather is one collective (the TF engine), so that a compiled sync sends its
     # agreement's codes with its data.
     codes_in_gathers = False
+
+    # Whether eager Adasum runs as a compiled function per signature (distributed.allreduce): for an
+    # engine whose every collective is a TensorFlow op, so that eagerly each would be dispatched alone.
+    compiles_eager_syncs = False
+
+    def instance_keys_of(self, signature: int) -> contextlib.AbstractContextManager[None]:
+        """While a compiled function for eager calls is traced: the keys its collectives take. Only an
+        engine that matches collectives by key needs them fixed by the signature."""
+        return contextlib.nullcontext()
 
     def agree_and_gather(self, codes: tf.Tensor, buffer: tf.Tensor, what: str) -> tuple[tf.Tensor, tf.Tensor]:
         """agree(codes) and allgather(buffer): ([size, 3] codes, [size, len(buffer)] rows), in rank

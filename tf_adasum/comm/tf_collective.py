@@ -16,6 +16,7 @@ so it works eagerly and inside tf.function. Two details matter:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,14 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tf_adasum.comm.base import Communicator
-from tf_adasum.errors import PeerError, timeout_seconds
+from tf_adasum.errors import LOST_PEER, PeerError, timeout_seconds
 
 
 def _group_key(members: Sequence[int | str]) -> int:
@@ -102,6 +103,9 @@ class TFCollectiveCommunicator(Communicator):
 
     engine = "tf"
     codes_in_gathers = True
+    compiles_eager_syncs = True
+    # Keys of one signature's function: a range of this many per group, above the counted keys.
+    KEYS_PER_SIGNATURE = 64
 
     def __init__(self, workers: Sequence[str], rank: int) -> None:
         hosts = [address.rsplit(":", 1)[0] for address in workers]
@@ -135,6 +139,7 @@ class TFCollectiveCommunicator(Communicator):
             ) from error
         self.device = f"/job:{task_type}/replica:0/task:{rank}/device:CPU:0"
         self._instances: dict[int, int] = defaultdict(int)
+        self._keyed: tuple[int, dict[int, int]] | None = None
         with tf.init_scope(), tf.device(self.device):
             self._token = tf.Variable(0.0, trainable=False, name="tf_adasum_ordering_token")
         # Where each rank lands in a gather's output: the runtime sorts members by device name. The
@@ -156,7 +161,16 @@ class TFCollectiveCommunicator(Communicator):
     ) -> tf.Tensor:
         members = sorted(members)
         key = _group_key(members)
-        if instance_key is None:
+        if instance_key is None and self._keyed is not None:  # in a signature's function
+            base, counts = self._keyed
+            counts[key] += 1
+            if counts[key] > self.KEYS_PER_SIGNATURE:
+                raise RuntimeError(
+                    f"{what}: a compiled eager sync needs more than {self.KEYS_PER_SIGNATURE} collectives "
+                    "with one group of ranks; tf_adasum reserves no more keys per signature"
+                )
+            instance_key = base + counts[key]
+        elif instance_key is None:
             self._instances[key] += 1
             instance_key = self._instances[key]
         else:  # a fixed key of its own group, matched by every call whether eager or traced
@@ -174,17 +188,22 @@ class TFCollectiveCommunicator(Communicator):
                 if kind == "gather":
                     return tf.raw_ops.CollectiveGatherV2(input=x, **args)
                 return tf.raw_ops.CollectiveReduceV2(input=x, merge_op="Add", final_op="Id", **args)
-        except (
-            tf.errors.DeadlineExceededError,
-            tf.errors.UnavailableError,
-            tf.errors.CancelledError,
-        ) as error:
-            named = self.peer_of(error.message)
-            others = [named] if named is not None else [m for m in members if m != self.rank]
-            raise PeerError(
-                f"rank {self.rank}: {what} with rank(s) {others} failed within {timeout_seconds():.0f} s "
-                f"(TF_ADASUM_TIMEOUT_SECONDS): {error.message.splitlines()[0]}"
-            ) from error
+        except LOST_PEER as error:
+            raise self.peer_error(error, what, members) from error
+
+    @contextlib.contextmanager
+    def instance_keys_of(self, signature: int) -> Iterator[None]:
+        """While the compiled function of one eager signature is traced: its collectives take keys from
+        a range fixed by the signature alone (above every counted key), not from the counters. So every
+        rank's trace of it has the same keys whatever each traced before, and a rank whose shapes differ
+        (the agreement stops it before any data moves) leaves the counters as the others have them.
+        Its calls reuse the keys, as a compiled train step's do."""
+        slot = signature % (1 << 23)  # below 2**29 + 2**23 * 64 = 2**30: int32 keys, far from the counters
+        self._keyed = ((1 << 29) + slot * self.KEYS_PER_SIGNATURE, defaultdict(int))
+        try:
+            yield
+        finally:
+            self._keyed = None
 
     def peer_of(self, message: str) -> int | None:
         # The runtime names a peer by task ("/job:worker/replica:0/task:1") or by address.
