@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests import oracle, processes
+from tests.loop_worker import REPETITIONS
 from tests.processes import log_tail
 from tests.script_worker import BATCH, ROWS_PER_RANK, initial_weights, shard
 from tests.test_existing_scripts import load, simulate_processes
@@ -116,11 +117,11 @@ def check_examples(out: Path, p: int) -> None:
 def check_ordering(out: Path, p: int) -> None:
     infos, _ = load(out, "ordering", p)
     for info in infos[1:]:
-        assert info["digests"] == infos[0]["digests"]  # 20 first steps, the same weights on every rank
-    steps, independent = infos[0]["digests"][:20], infos[0]["digests"][20:]
-    assert len(steps) == 20 and np.all(np.isfinite(steps))
+        assert info["digests"] == infos[0]["digests"]  # the first steps: the same weights on every rank
+    steps, independent = infos[0]["digests"][:REPETITIONS], infos[0]["digests"][REPETITIONS:]
+    assert len(steps) == REPETITIONS and np.all(np.isfinite(steps))
     # The independent collectives: sum, rank 0's values, mean, rank 0's values plus one.
-    assert independent == [[3.0 * r * p, 0.0, 6.0 * r, 5.0] for r in range(20)], independent
+    assert independent == [[3.0 * r * p, 0.0, 6.0 * r, 5.0] for r in range(REPETITIONS)], independent
     # reducescatter: rank r's rows of the sum (or mean) over ranks of (r + 1) * rows, the first
     # 5 % p ranks one row more.
     total = np.arange(10.0).reshape(5, 2) * sum(r + 1 for r in range(p))
