@@ -6,7 +6,11 @@ where tf_adasum.distributed has always offered them.
 
 from __future__ import annotations
 
+import collections
 import enum
+import os
+import re
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,9 +124,13 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     return out[0] if single else out
 
 
-# The compiled eager syncs, per communicator, by (the tensors' specs, their names): a process calls
-# few signatures, so the cache is not bounded.
-_compiled_syncs: dict[tuple[int, Any], Any] = {}
+# The compiled eager syncs, by (communicator, forced algorithm, the tensors' specs, their names), the
+# least recently used first; past this many the oldest goes (its keys are its signature's, so a later
+# trace of it gets the same keys).
+_compiled_syncs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+COMPILED_SYNCS = 64
+
+_DIFFERENT_CHECKS = re.compile(r"^(?:[\w.]+\.)?RuntimeError: (the ranks are at different checks.+)$", re.M)
 
 
 def _compiled_adasum(
@@ -131,23 +139,34 @@ def _compiled_adasum(
     """Eager Adasum as one compiled function per signature (engines whose collectives are TensorFlow
     ops): no per-op dispatch, and the same agreement first as the eager path, whose fixed key meets
     every rank's call whatever its shapes. The codes do not ride in the data's all-gather here: that
-    collective's key is its layout's, so ranks with different shapes would not meet in it."""
-    key = (id(comm), (tuple((t.dtype, tuple(t.shape)) for t in items), tuple(names or ())))
+    collective's key is its layout's, so ranks with different shapes would not meet in it.
+
+    The algorithm is chosen when the function is traced, so a forced one ($TF_ADASUM_ALGORITHM) is part
+    of the signature, and of the number its collectives' keys come from."""
+    forced = os.environ.get("TF_ADASUM_ALGORITHM", "")
+    specs = tuple((t.dtype, tuple(t.shape)) for t in items)
+    key = (id(comm), forced, specs, tuple(names or ()))
     sync = _compiled_syncs.get(key)
     if sync is None:
+        signature = metadata ^ zlib.crc32(forced.encode()) if forced else metadata
 
         def body(*tensors: tf.Tensor) -> list[tf.Tensor]:
-            with comm.instance_keys_of(metadata):
+            with comm.instance_keys_of(signature):
                 return across_processes.adasum(comm, list(tensors), names, metadata, first=False)
 
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in items]
-        sync = tf.function(body, input_signature=specs, autograph=False)
+        sync = tf.function(body, input_signature=[tf.TensorSpec(s, d) for d, s in specs], autograph=False)
         _compiled_syncs[key] = sync
+        while len(_compiled_syncs) > COMPILED_SYNCS:
+            _compiled_syncs.popitem(last=False)
+    _compiled_syncs.move_to_end(key)
     try:
         return list(sync(*items))
     except tf.errors.OpError as error:
         if "MetadataDiffers" in error.message:  # raised by the agreement, on every rank
             raise agreement.MetadataDiffers(error.message) from error
+        different = _DIFFERENT_CHECKS.search(error.message)
+        if different:  # the agreement met another kind of check (a mixed-precision check, a broadcast)
+            raise RuntimeError(different.group(1)) from error
         if isinstance(error, errors.LOST_PEER):  # as the eager path's collectives tell it
             raise comm.peer_error(error, "allreduce(op=Adasum)") from error
         translated = errors.translate(error, comm)

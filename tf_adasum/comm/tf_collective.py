@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -139,7 +140,10 @@ class TFCollectiveCommunicator(Communicator):
             ) from error
         self.device = f"/job:{task_type}/replica:0/task:{rank}/device:CPU:0"
         self._instances: dict[int, int] = defaultdict(int)
-        self._keyed: tuple[int, dict[int, int]] | None = None
+        # While a signature's function is traced (instance_keys_of): its key range and counts, per
+        # thread, since another thread may trace collectives of its own meanwhile.
+        self._keyed = threading.local()
+        self._slots: dict[int, int] = {}  # key range slot -> the signature that holds it
         with tf.init_scope(), tf.device(self.device):
             self._token = tf.Variable(0.0, trainable=False, name="tf_adasum_ordering_token")
         # Where each rank lands in a gather's output: the runtime sorts members by device name. The
@@ -161,8 +165,9 @@ class TFCollectiveCommunicator(Communicator):
     ) -> tf.Tensor:
         members = sorted(members)
         key = _group_key(members)
-        if instance_key is None and self._keyed is not None:  # in a signature's function
-            base, counts = self._keyed
+        keyed = getattr(self._keyed, "range", None)
+        if instance_key is None and keyed is not None:  # in a signature's function
+            base, counts = keyed
             counts[key] += 1
             if counts[key] > self.KEYS_PER_SIGNATURE:
                 raise RuntimeError(
@@ -198,12 +203,15 @@ class TFCollectiveCommunicator(Communicator):
         rank's trace of it has the same keys whatever each traced before, and a rank whose shapes differ
         (the agreement stops it before any data moves) leaves the counters as the others have them.
         Its calls reuse the keys, as a compiled train step's do."""
-        slot = signature % (1 << 23)  # below 2**29 + 2**23 * 64 = 2**30: int32 keys, far from the counters
-        self._keyed = ((1 << 29) + slot * self.KEYS_PER_SIGNATURE, defaultdict(int))
+        slots = 1 << 23  # below 2**29 + 2**23 * 64 = 2**30: int32 keys, far from the counters
+        slot = signature % slots
+        while self._slots.setdefault(slot, signature) != signature:  # taken: the next free one, which
+            slot = (slot + 1) % slots  # every rank finds alike, having traced the same signatures
+        self._keyed.range = ((1 << 29) + slot * self.KEYS_PER_SIGNATURE, defaultdict(int))
         try:
             yield
         finally:
-            self._keyed = None
+            self._keyed.range = None
 
     def peer_of(self, message: str) -> int | None:
         # The runtime names a peer by task ("/job:worker/replica:0/task:1") or by address.
