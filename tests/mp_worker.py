@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
+from tf_adasum import agreement
 
 # A rank that dies of a signal (a SIGSEGV seen in about 1 of 30 runs of the weight-write checks) prints
 # every thread's Python stack into the launch's log.
@@ -138,13 +139,24 @@ def checks(out: Path) -> None:
         replica_nonfinite = "no error"
     except tf_adasum.NonFiniteUpdateError as error:
         replica_nonfinite = str(error)
+    compiled_syncs = len(tf_adasum.distributed._compiled_syncs)
+    # Rank 0 at its epoch end while the others call eager Adasum: every rank raises UnevenDataError.
+    try:
+        if rank == 0:
+            agreement.agree_at_epoch_end(comm, 7)
+        else:
+            tf_adasum.allreduce([tf.ones([5])])
+        uneven = "no error"
+    except tf_adasum.UnevenDataError as error:
+        uneven = str(error)
     info = {
+        "uneven": uneven,
         "replica_nonfinite": replica_nonfinite,
         "replica_mismatch": replica_mismatch,
         "narrowed": narrowed,
         "engine": comm.engine,
         # The eager Adasum calls' compiled functions (TF engine): one per signature, none under MPI.
-        "compiled_syncs": len(tf_adasum.distributed._compiled_syncs),
+        "compiled_syncs": compiled_syncs,
         "size": comm.size,
         "local_rank": comm.local_rank,
         "mismatch": message,
@@ -379,18 +391,19 @@ def resume(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    mode, out_dir = sys.argv[2], Path(sys.argv[1])
-    if mode == "checks":
-        checks(out_dir)
-    elif mode == "fit":
-        fit(out_dir)
-    elif mode == "replicas":
-        replicas_fit(out_dir)
-    elif mode == "strategy":
-        strategy_fit(out_dir)
-    elif mode == "resume":
-        resume(out_dir)
-    elif mode == "writes":
-        writes(out_dir, tf_adasum.init().rank)
-    else:
-        missing_peer(out_dir, exits=mode == "dead")
+    out_dir = Path(sys.argv[1])
+    for mode in sys.argv[2].split(","):  # several modes: one after another, in one launch
+        if mode == "checks":
+            checks(out_dir)
+        elif mode == "fit":
+            fit(out_dir)
+        elif mode == "replicas":
+            replicas_fit(out_dir)
+        elif mode == "strategy":
+            strategy_fit(out_dir)
+        elif mode == "resume":
+            resume(out_dir)
+        elif mode == "writes":
+            writes(out_dir, tf_adasum.init().rank)
+        else:
+            missing_peer(out_dir, exits=mode == "dead")

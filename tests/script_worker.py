@@ -411,13 +411,14 @@ def killed_or_resumed(out: Path, resume: bool, hang: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    out_dir = Path(sys.argv[1])
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    if mode == "callback":
-        callback(out_dir)
-    elif mode == "horovod":
-        horovod(out_dir)
-    elif mode == "failures":
-        failures(out_dir)
-    else:
-        killed_or_resumed(out_dir, resume=mode == "resume", hang=mode == "hung")
+    for mode in sys.argv[2].split(","):  # several modes: one after another, in one launch
+        if mode == "callback":
+            callback(out_dir)
+        elif mode == "horovod":
+            horovod(out_dir)
+        elif mode == "failures":
+            failures(out_dir)
+        else:
+            killed_or_resumed(out_dir, resume=mode == "resume", hang=mode == "hung")

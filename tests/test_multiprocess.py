@@ -90,6 +90,7 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
         # Eager Adasum under the TF engine: one compiled function per signature, reused (the tensors,
         # the mismatched pair, the NaN pair); MPI runs it on the host, uncompiled.
         assert infos[r]["compiled_syncs"] == (3 if engine == "tf" else 0), infos[r]
+        assert infos[r]["uneven"].startswith("rank(s) [0] ran out of data (rank 0 after 7 batches"), infos[r]
         # The norms measured while fusing (MPI) or by the op (TF) find the NaN in the bfloat16 tensor.
         assert f"rank {p - 1}: tensor 1 of 2 holds NaN or Inf" in infos[r]["nonfinite"], infos[r]
         assert infos[r]["mismatch"] == (
@@ -116,12 +117,21 @@ def test_an_mpi_rank_that_exits_ends_the_job_naming_it(tmp_path: Path) -> None:
     assert code != 0 and "process rank 1" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("engine", ["mpi", "tf"])
-def test_fit_with_adasum_optimizer_across_two_processes(engine: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module", params=["mpi", "tf"])
+def fit_and_strategy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch per engine for the three tests below: fit with AdasumOptimizer, AdasumStrategy's
+    checks, then resuming from checkpoints, in the same two processes (a launch's start-up is most of
+    its time here)."""
+    out = tmp_path_factory.mktemp(f"fit_and_strategy_{request.param}")
+    code = launch(request.param, 2, out, "fit,strategy,resume")
+    assert code == 0, log_tail(out)
+    return out
+
+
+def test_fit_with_adasum_optimizer_across_two_processes(fit_and_strategy: Path) -> None:
     from tests.test_training import simulate
 
-    code = launch(engine, 2, tmp_path, "fit")
-    assert code == 0, log_tail(tmp_path)
+    tmp_path = fit_and_strategy
     weights = [list(np.load(tmp_path / f"fit{r}.npz").values()) for r in range(2)]
     want = simulate("sgd_momentum", 2, 1, 4, 8)
     for got, theirs, w in zip(weights[0], weights[1], want, strict=True):
@@ -146,12 +156,10 @@ def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> Non
             np.testing.assert_allclose(got[0], w, rtol=2e-5, atol=atol)
 
 
-@pytest.mark.parametrize("engine", ["mpi", "tf"])
-def test_adasum_strategy_across_two_processes(engine: str, tmp_path: Path) -> None:
+def test_adasum_strategy_across_two_processes(fit_and_strategy: Path) -> None:
     from tests.test_training import problem, simulate, simulate_replicas
 
-    code = launch(engine, 2, tmp_path, "strategy")
-    assert code == 0, log_tail(tmp_path)
+    tmp_path = fit_and_strategy
     weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(2)]
     infos = [json.loads((tmp_path / f"strategy{r}.json").read_text()) for r in range(2)]
     losses: list[float] = []
@@ -227,12 +235,9 @@ def test_weights_written_between_fits_across_two_processes(engine: str, tmp_path
         check_fit_write_fit(ranks[0], how, kind, 2, sync_every, (start, written, run["steps"], run["at"]))
 
 
-@pytest.mark.parametrize("engine", ["mpi", "tf"])
-def test_resuming_across_processes_equals_training_without_a_break(engine: str, tmp_path: Path) -> None:
-    code = launch(engine, 2, tmp_path, "resume")
-    assert code == 0, log_tail(tmp_path)
+def test_resuming_across_processes_equals_training_without_a_break(fit_and_strategy: Path) -> None:
     for r in range(2):
-        results = json.loads((tmp_path / f"resume{r}.json").read_text())
+        results = json.loads((fit_and_strategy / f"resume{r}.json").read_text())
         assert len(results) == 6 and all(results.values()), results
 
 
