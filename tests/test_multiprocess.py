@@ -102,7 +102,7 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])
 def test_a_missing_peer_gives_an_error_naming_it(engine: str, mode: str, tmp_path: Path) -> None:
-    code = launch(engine, 2, tmp_path, mode, {"TF_ADASUM_TIMEOUT_SECONDS": "15"})
+    code = launch(engine, 2, tmp_path, mode, {"TF_ADASUM_TIMEOUT_SECONDS": "10"})
     log = (tmp_path / "output.log").read_text()
     assert code != 0, log[-3000:]
     info = json.loads((tmp_path / "rank0.json").read_text())
