@@ -107,6 +107,15 @@ def checks(out: Path) -> None:
         message = "no error"
     except ValueError as error:
         message = str(error)
+    # A mismatch that has the ranks trace different algorithms (under the TF engine rank 1's tensor is
+    # past the all-gather's size, so VHDD, three collectives; the others', one all-gather): every rank
+    # raises, and the collectives after it still meet.
+    big = [tf.ones([(1 << 20) + 16 if rank == 1 else 16])]
+    try:
+        tf_adasum.allreduce(big)
+        drift = "no error"
+    except ValueError as error:
+        drift = str(error)
     # A rank with NaN in a bfloat16 tensor (a float32 one first): every rank raises the same error.
     nan = [tf.ones([3]), tf.constant([1.0, np.nan if rank == comm.size - 1 else 2.0], tf.bfloat16)]
     try:
@@ -149,7 +158,19 @@ def checks(out: Path) -> None:
         uneven = "no error"
     except tf_adasum.UnevenDataError as error:
         uneven = str(error)
+    # Rank 0 at a mixed-precision check while the others call eager Adasum: every rank raises,
+    # naming both kinds of check.
+    try:
+        if rank == 0:
+            agreement.agree(comm, agreement.LOSS_SCALE, 0, "mixed-precision check")
+        else:
+            tf_adasum.allreduce([tf.ones([5])])
+        different = "no error"
+    except RuntimeError as error:
+        different = str(error)
     info = {
+        "drift": drift,
+        "different": different,
         "uneven": uneven,
         "replica_nonfinite": replica_nonfinite,
         "replica_mismatch": replica_mismatch,

@@ -88,9 +88,16 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
         np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
         assert infos[r]["engine"] == engine and infos[r]["size"] == p
         # Eager Adasum under the TF engine: one compiled function per signature, reused (the tensors,
-        # the mismatched pair, the NaN pair); MPI runs it on the host, uncompiled.
-        assert infos[r]["compiled_syncs"] == (3 if engine == "tf" else 0), infos[r]
+        # the mismatched pair, the mismatched big one, the NaN pair); MPI runs it on the host.
+        assert infos[r]["compiled_syncs"] == (4 if engine == "tf" else 0), infos[r]
+        assert infos[r]["drift"].startswith(
+            "allreduce(op=Adasum): tensor 0 of 1 has shape [1048592] and dtype float32 on rank 1 but "
+            "shape [16]"
+        ), infos[r]
         assert infos[r]["uneven"].startswith("rank(s) [0] ran out of data (rank 0 after 7 batches"), infos[r]
+        assert infos[r]["different"].startswith(
+            "the ranks are at different checks (rank 0: a mixed-precision check, rank 1: a model sync"
+        ), infos[r]
         # The norms measured while fusing (MPI) or by the op (TF) find the NaN in the bfloat16 tensor.
         assert f"rank {p - 1}: tensor 1 of 2 holds NaN or Inf" in infos[r]["nonfinite"], infos[r]
         assert infos[r]["mismatch"] == (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import enum
 import os
-import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -130,8 +129,6 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
 _compiled_syncs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 COMPILED_SYNCS = 64
 
-_DIFFERENT_CHECKS = re.compile(r"^(?:[\w.]+\.)?RuntimeError: (the ranks are at different checks.+)$", re.M)
-
 
 def _compiled_adasum(
     comm: Communicator, items: Sequence[tf.Tensor], names: Sequence[str] | None, metadata: int
@@ -164,9 +161,6 @@ def _compiled_adasum(
     except tf.errors.OpError as error:
         if "MetadataDiffers" in error.message:  # raised by the agreement, on every rank
             raise agreement.MetadataDiffers(error.message) from error
-        different = _DIFFERENT_CHECKS.search(error.message)
-        if different:  # the agreement met another kind of check (a mixed-precision check, a broadcast)
-            raise RuntimeError(different.group(1)) from error
         if isinstance(error, errors.LOST_PEER):  # as the eager path's collectives tell it
             raise comm.peer_error(error, "allreduce(op=Adasum)") from error
         translated = errors.translate(error, comm)

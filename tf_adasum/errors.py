@@ -49,6 +49,8 @@ ERRORS: dict[str, type[Exception]] = {
 LOST_PEER = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError)
 
 _RAISED_IN_GRAPH = re.compile(rf"^(?:[\w.]+\.)?({'|'.join(ERRORS)}): (.+)$", re.MULTILINE)
+# The agreement's RuntimeError when the ranks are at different kinds of check (agreement.py).
+_DIFFERENT_CHECKS = re.compile(r"^(?:[\w.]+\.)?RuntimeError: (the ranks are at different checks.+)$", re.M)
 
 
 def translate(error: tf.errors.OpError, comm: Any) -> Exception | None:
@@ -61,6 +63,9 @@ def translate(error: tf.errors.OpError, comm: Any) -> Exception | None:
     raised = _RAISED_IN_GRAPH.search(error.message)
     if raised:
         return ERRORS[raised.group(1)](raised.group(2))
+    different = _DIFFERENT_CHECKS.search(error.message)
+    if different:
+        return RuntimeError(different.group(1))
     if comm is not None and comm.size > 1 and isinstance(error, LOST_PEER):
         peer = comm.peer_of(error.message)
         who = f"rank {peer}" if peer is not None else "a peer"
