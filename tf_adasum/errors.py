@@ -3,7 +3,8 @@
 Everything a user may catch is defined here: PeerError, NonFiniteUpdateError, UnevenDataError and
 HookError. Inside a tf.function the first three reach the caller as tf.errors.OpError (UnknownError
 for an error raised in a host call, UnavailableError or DeadlineExceededError for a peer the
-collective runtime lost); translate_errors turns them back into themselves.
+collective runtime lost); translate_errors turns them back into themselves, and the agreement's
+RuntimeError for ranks at different kinds of check into a RuntimeError.
 """
 
 from __future__ import annotations
