@@ -1,13 +1,19 @@
-"""Starts N local processes with TF_CONFIG set, for development and tests: the TF engine's mpirun.
+"""Starts N processes with TF_CONFIG set, on this host or on several: the TF engine's mpirun.
 
 Usage:
-    python -m tf_adasum.run -np N [--timeout SECONDS] script.py [args ...]
+    python -m tf_adasum.run -np N [-H host:slots,...] [--agent CMD] [--timeout SECONDS] script.py [args ...]
 
-Every process gets a TF_CONFIG naming N workers on free ports of 127.0.0.1 and its own index. Output
-lines are prefixed with "[rank]". The exit code is the first failure's (0 if all succeed). When one
-process fails, the others have GRACE_SECONDS to end on their own (a dead peer's closed connections
-usually make tf_adasum raise PeerError in them at once, naming it, and a script can report it), then
-are killed; on Ctrl-C or the timeout all are killed at once.
+Every process gets a TF_CONFIG naming the N workers and its own index. Without -H all N run here, on
+127.0.0.1. With -H (horovodrun's host list), ranks fill the hosts in order, slots processes each, and
+each worker's address is its host's; a host other than localhost and 127.0.0.1 is reached through the
+agent (default `ssh -o BatchMode=yes`; anything called as `AGENT HOST COMMAND`, as Open MPI's rsh
+agent is), which runs `cd CWD && env ... python script.py args` there: the same paths on every host,
+and this process's environment. Output lines are prefixed with "[rank]". The exit code is the first
+failure's (0 if all succeed). When one process fails, the others have GRACE_SECONDS to end on their
+own (a dead peer's closed connections usually make tf_adasum raise PeerError in them at once, naming
+it, and a script can report it), then are killed; on Ctrl-C or the timeout all are killed at once.
+Killing a process on another host kills its agent: the namespace agent of scripts/cluster.py execs the
+process itself, so it goes too; over ssh, have the remote side end with its connection (ssh -tt).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,6 +31,11 @@ import time
 
 # How long the others may take to notice a failed process and end with their own error.
 GRACE_SECONDS = 10.0
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+DEFAULT_AGENT = "ssh -o BatchMode=yes"
+# Not forwarded to other hosts: what belongs to this shell or this host.
+_NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "LS_COLORS", "MAIL")
+_NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_")
 
 
 def free_ports(n: int) -> list[int]:
@@ -43,9 +55,54 @@ def _forward(rank: int, stream: object, lock: threading.Lock) -> None:
             sys.stdout.buffer.flush()
 
 
-def launch(np: int, command: list[str], timeout: float | None = None) -> int:
-    """Runs `command` as np workers on 127.0.0.1; returns the first non-zero exit code, or 0."""
-    workers = [f"127.0.0.1:{p}" for p in free_ports(np)]
+def parse_hosts(hosts: str, np: int) -> list[str]:
+    """Each rank's host from horovodrun's `-H host:slots,host:slots` (slots default 1), filled in order.
+
+    Raises:
+        ValueError: a malformed entry, or fewer slots than np.
+    """
+    placed: list[str] = []
+    for entry in hosts.split(","):
+        host, _, slots = entry.strip().rpartition(":") if ":" in entry else (entry.strip(), "", "1")
+        if not host or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"-H {hosts!r}: expected host:slots entries such as 10.0.0.1:2, got {entry!r}")
+        placed += [host] * int(slots)
+    if len(placed) < np:
+        raise ValueError(f"-H {hosts!r} has {len(placed)} slots for -np {np}")
+    return placed[:np]
+
+
+def remote_command(agent: str, host: str, command: list[str], env: dict[str, str]) -> list[str]:
+    """`command` run on `host` through the agent, in this directory, with `env` (as ssh passes it: one
+    string for the remote shell)."""
+    forwarded = {
+        k: v
+        for k, v in env.items()
+        if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES) and "\n" not in v
+    }
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forwarded.items()))
+    line = f"cd {shlex.quote(os.getcwd())} && exec env {assignments} {shlex.join(command)}"
+    return [*shlex.split(agent), host, line]
+
+
+def launch(
+    np: int,
+    command: list[str],
+    timeout: float | None = None,
+    hosts: str | None = None,
+    agent: str = DEFAULT_AGENT,
+) -> int:
+    """Runs `command` as np workers; returns the first non-zero exit code, or 0.
+
+    Args:
+        np: how many processes.
+        command: what each runs.
+        timeout: seconds after which every process is killed (exit code 124).
+        hosts: horovodrun's -H list; default all on 127.0.0.1.
+        agent: how a process starts on a host that is not this one.
+    """
+    placed = parse_hosts(hosts, np) if hosts else ["127.0.0.1"] * np
+    workers = [f"{host}:{port}" for host, port in zip(placed, free_ports(np), strict=True)]
     lock = threading.Lock()
     processes = []
     for rank in range(np):
@@ -53,8 +110,9 @@ def launch(np: int, command: list[str], timeout: float | None = None) -> int:
         env["TF_CONFIG"] = json.dumps(
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
         )
+        line = command if placed[rank] in LOCAL_HOSTS else remote_command(agent, placed[rank], command, env)
         proc = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         threading.Thread(target=_forward, args=(rank, proc.stdout, lock), daemon=True).start()
         processes.append(proc)
@@ -103,10 +161,23 @@ def main() -> None:
     )
     parser.add_argument("-np", type=int, required=True, help="number of processes")
     parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
+    parser.add_argument(
+        "-H", "--hosts", default=None, help="host:slots,... as horovodrun's (default: this host)"
+    )
+    parser.add_argument(
+        "--agent",
+        default=DEFAULT_AGENT,
+        help=f"starts a process on another host: AGENT HOST COMMAND ({DEFAULT_AGENT!r})",
+    )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    sys.exit(launch(args.np, [sys.executable, args.script, *args.args], args.timeout))
+    if args.hosts:
+        try:
+            parse_hosts(args.hosts, args.np)
+        except ValueError as error:
+            parser.error(str(error))
+    sys.exit(launch(args.np, [sys.executable, args.script, *args.args], args.timeout, args.hosts, args.agent))
 
 
 if __name__ == "__main__":

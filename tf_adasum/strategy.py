@@ -192,14 +192,15 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         _compat.require()
         # First: the TF engine must configure the collective runtime before TensorFlow's context starts.
         self.comm = distributed.init()
-        if cross_device_ops is None and not tf.config.list_logical_devices("GPU"):
+        if cross_device_ops is None and not own_devices("GPU", self.comm.rank):
             # NCCL needs GPUs; on CPUs reduce through one device, as MirroredStrategy's users expect.
             cross_device_ops = tf.distribute.ReductionToOneDevice()
-        if self.comm.size > 1 and devices is None and self.comm.local_size > 1:
-            # Several processes on this host (Horovod's layout): this process's own GPU, or the CPU.
-            # One process on it (MultiWorkerMirroredStrategy's layout) takes all its GPUs, as that does.
-            devices = [_local_device(self.comm)]
-        if self.comm.size > 1 and devices is not None:
+        if self.comm.size > 1 and devices is None:
+            # Never MirroredStrategy's default here: with TF_CONFIG set it takes every worker's devices
+            # (the TF engine's, and tf_adasum.run's), and its first variable on another host's device
+            # kills the process (SIGSEGV), which is how a job of one process per host died.
+            devices = _default_devices(self.comm)
+        if self.comm.size > 1:
             _refuse_other_processes_devices(devices, self.comm.rank)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
@@ -374,8 +375,26 @@ def _is_float_scalar_tensor(value: Any) -> bool:
     return isinstance(value, tf.Tensor) and value.dtype.is_floating and value.shape.rank == 0
 
 
-def _local_device(comm: Any) -> str:
-    gpus = tf.config.list_logical_devices("GPU")
-    if gpus:
-        return gpus[comm.local_rank % len(gpus)].name
-    return tf.config.list_logical_devices("CPU")[0].name
+def own_devices(kind: str, rank: int) -> list[str]:
+    """This process's logical devices of a kind ("GPU", "CPU"), by name.
+
+    Under the TF engine TensorFlow lists every worker's devices, this one's first
+    (/job:worker/replica:0/task:R/...); only those of task `rank` are this process's. Elsewhere every
+    listed device is.
+    """
+    names = [d.name for d in tf.config.list_logical_devices(kind)]
+    return [n for n in names if "/task:" not in n or f"/task:{rank}/" in n]
+
+
+def _default_devices(comm: Any) -> list[str]:
+    """A process's replicas when it names none, as each layout's users expect.
+
+    - Several processes on this host (Horovod's layout, one process per GPU): the local_rank-th of its
+      GPUs, or its CPU.
+    - One process on this host (MultiWorkerMirroredStrategy's, one process per machine): all of its
+      GPUs, or its CPU.
+    """
+    gpus = own_devices("GPU", comm.rank)
+    if gpus and comm.local_size > 1:
+        return [gpus[comm.local_rank % len(gpus)]]
+    return gpus or own_devices("CPU", comm.rank)[:1]
