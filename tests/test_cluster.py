@@ -1,0 +1,153 @@
+"""Several hosts for real: each host a network namespace with its own address, hostname and shaped link
+(scripts/cluster.py), the jobs started as across machines (mpirun through a launch agent in ssh's
+place; `python -m tf_adasum.run -H host:slots`), both engines talking over the links.
+
+Every launch is bounded (tests/processes.py); the clusters are made and removed by the tests. Without
+root (CAP_NET_ADMIN) every test here skips, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import processes
+from tests.processes import log_tail
+
+sys.path.insert(0, str(processes.ROOT / "scripts"))
+import cluster
+
+WORKER = str(Path(__file__).with_name("hosts_worker.py"))
+CUT_PEER_TIMEOUT = 10.0
+
+
+def require_cluster() -> None:
+    reason = cluster.available()
+    if reason is not None:
+        pytest.skip(f"no test cluster of network namespaces: {reason}")
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[cluster.Cluster]:
+    """Two hosts on 1 Gbit/s links, for every launch of this module but the cut ones."""
+    require_cluster()
+    with cluster.Cluster(hosts=2, name="tfat", rate="1gbit") as hosts:
+        yield hosts
+
+
+def test_the_cluster_gives_each_host_its_own_address_name_and_link(two_hosts: cluster.Cluster) -> None:
+    for i, (address, name) in enumerate(zip(two_hosts.addresses, two_hosts.hostnames, strict=True)):
+        seen = two_hosts.run(
+            i, ["sh", "-c", "hostname; ip -o -4 addr show eth0"], capture_output=True, text=True
+        )
+        lines = seen.stdout.splitlines()
+        assert lines[0] == name and f"inet {address}/24" in lines[1], seen
+    # This machine's own hostname and network are untouched.
+    assert os.uname().nodename not in two_hosts.hostnames
+    ours = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    assert cluster.SUBNET not in ours
+    # One host reaches the other by name, over its link: the counters move.
+    before = two_hosts.bytes_sent()
+    probe = "import socket; socket.create_connection(('tfath1', 9), timeout=5)"
+    reached = two_hosts.run(0, [sys.executable, "-c", probe], capture_output=True, text=True)
+    assert "ConnectionRefusedError" in reached.stderr, reached.stderr  # h1 answered: nothing listens there
+    after = two_hosts.bytes_sent()
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+
+
+@pytest.mark.parametrize(("launcher", "per_host"), [("mpi", 1), ("tf", 1), ("mpi", 2), ("tf", 2)])
+def test_fit_across_two_hosts_equals_the_simulation(
+    two_hosts: cluster.Cluster, launcher: str, per_host: int, tmp_path: Path
+) -> None:
+    """AdasumStrategy with its default devices (the crash), a process alone on its host or one of two;
+    with one each, also the plain Keras scripts under AdasumCallback and the Horovod example."""
+    from tests.test_existing_scripts import check_callback_run, check_horovod_run
+    from tests.test_training import simulate
+
+    p = 2 * per_host
+    modes = "strategy,callback,horovod" if per_host == 1 else "strategy"
+    before = two_hosts.bytes_sent()
+    code = processes.launch(launcher, p, tmp_path, [WORKER, str(tmp_path), modes], cluster=two_hosts)
+    assert code == 0, log_tail(tmp_path)
+    sent = [b - a for a, b in zip(before, two_hosts.bytes_sent(), strict=True)]
+    assert min(sent) > 2_000, sent  # the job's traffic went over both links (a fit of 8 weights: little)
+
+    infos = [json.loads((tmp_path / f"strategy{r}.json").read_text()) for r in range(p)]
+    for r, info in enumerate(infos):
+        assert info["engine"] == launcher and info["replicas"] == p, info
+        assert info["host"] == two_hosts.hostnames[r // per_host], info
+        assert (info["local_rank"], info["local_size"]) == (r % per_host, per_host), info
+        # Its own device only: under the TF engine TensorFlow also lists the other workers'.
+        assert len(info["devices"]) == 1, info
+        if launcher == "tf":
+            assert f"/task:{r}/" in info["devices"][0], info
+            assert info["address"].startswith(two_hosts.addresses[r // per_host] + ":"), info
+    losses: list[float] = []
+    want = simulate("adam", p, 2, 4, 8, losses)
+    weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(p)]
+    for r in range(p):
+        for got, first, w in zip(weights[r], weights[0], want, strict=True):
+            np.testing.assert_array_equal(got, first)  # bitwise equal on every rank
+            np.testing.assert_allclose(got, w, rtol=2e-5, atol=2e-5)
+        assert infos[r]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    if per_host == 1:
+        check_callback_run(tmp_path, 2)
+        check_horovod_run(tmp_path, 2)
+
+
+def wait_for(condition: Callable[[], bool], seconds: float, what: str, out: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not within {seconds:.0f} s:\n{log_tail(out)}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("launcher", ["mpi", "tf"])
+def test_a_cut_link_gives_every_rank_a_peer_error_naming_the_peer(launcher: str, tmp_path: Path) -> None:
+    """A pulled cable mid-step: no connection closes, so only the peer timeout can tell. Each side
+    raises PeerError naming the rank beyond the cut within the timeout, and nothing hangs."""
+    require_cluster()
+    with cluster.Cluster(hosts=2, name="tfac", rate="1gbit") as hosts:
+        extra = {"TF_ADASUM_TIMEOUT_SECONDS": str(int(CUT_PEER_TIMEOUT))}
+        command, env = processes.launch_command(
+            launcher, 2, [WORKER, str(tmp_path), "cut"], extra, cluster=hosts
+        )
+        with (tmp_path / "output.log").open("w") as log:
+            job = subprocess.Popen(
+                command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                ready = [tmp_path / f"ready{r}" for r in range(2)]
+                wait_for(
+                    lambda: all(f.exists() for f in ready), processes.LAUNCH_TIMEOUT, "both ranks", tmp_path
+                )
+                time.sleep(1.0)  # well inside the loop of all-reduces
+                hosts.cut(1)
+                cut_at = time.time()
+                results = [tmp_path / f"cut{r}.json" for r in range(2)]
+                wait_for(
+                    lambda: all(f.exists() for f in results), CUT_PEER_TIMEOUT + 50, "both errors", tmp_path
+                )
+            finally:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+                job.wait(timeout=30)
+    for r in range(2):
+        result = json.loads(results[r].read_text())
+        assert result["type"] == "PeerError", (r, result, log_tail(tmp_path))
+        peer = (f"rank {1 - r} ", f"rank(s) [{1 - r}]")  # the MPI engine's words, the TF engine's
+        assert result["message"].startswith(f"rank {r}:") and any(p in result["message"] for p in peer), (
+            result
+        )
+        # Within the timeout of the last call that went through (at most one call before the cut).
+        assert result["at"] - cut_at < CUT_PEER_TIMEOUT + 20, (result["at"] - cut_at, result)
