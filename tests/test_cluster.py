@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -151,3 +153,77 @@ def test_a_cut_link_gives_every_rank_a_peer_error_naming_the_peer(launcher: str,
         )
         # Within the timeout of the last call that went through (at most one call before the cut).
         assert result["at"] - cut_at < CUT_PEER_TIMEOUT + 20, (result["at"] - cut_at, result)
+
+
+def namespaces_named(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return sorted(line.split()[0] for line in listed.splitlines() if line.startswith(prefix))
+
+
+def test_an_interrupted_run_cleans_up_and_up_clears_what_a_killed_one_left(tmp_path: Path) -> None:
+    require_cluster()
+    # SIGTERM (a CI kill, pytest-timeout) mid-run: the context manager still takes the cluster down.
+    holder = tmp_path / "holder.py"
+    holder.write_text(
+        f"import sys, time; sys.path.insert(0, {str(processes.ROOT / 'scripts')!r}); import cluster\n"
+        "with cluster.Cluster(hosts=2, name='tfal'):\n"
+        "    print('up', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(holder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        assert namespaces_named("tfal-") == ["tfal-h0", "tfal-h1", "tfal-sw"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert namespaces_named("tfal-") == []
+    assert not (cluster.NETNS_ETC / "tfal-h0").exists() and not (cluster.STATE / "tfal.json").exists()
+
+    # SIGKILL leaves everything; the next `up` of that name clears it, processes inside included.
+    left = cluster.Cluster(hosts=2, name="tfal").up()
+    sleeper = left.popen(1, ["sleep", "600"])
+    with cluster.Cluster(hosts=3, name="tfal") as again:
+        assert sleeper.wait(timeout=30) == -signal.SIGKILL
+        assert namespaces_named("tfal-") == sorted([*again.namespaces, again.switch])
+    assert namespaces_named("tfal-") == []
+
+
+def test_without_root_the_cluster_says_why_and_the_tests_skip() -> None:
+    """What every test above turns into where the process cannot make namespaces: a skip, with why."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and util-linux's setpriv to become another user")
+    with tempfile.TemporaryDirectory() as folder:  # pytest's own tmp_path is root's alone
+        test = Path(folder, "test_unprivileged.py")
+        test.write_text(
+            "import sys\n"
+            f"sys.path.insert(0, {str(processes.ROOT)!r})\n"
+            "from tests.test_cluster import require_cluster\n"
+            "def test_it():\n    require_cluster()\n"
+        )
+        Path(folder).chmod(0o755)
+        test.chmod(0o644)
+        nobody = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        pytest_line = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            folder,
+        ]
+        done = subprocess.run(
+            [*nobody, *pytest_line, str(test)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=folder,
+            check=False,
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 skipped" in done.stdout and "making network namespaces needs root" in done.stdout, done.stdout

@@ -101,3 +101,46 @@ def test_the_launcher_itself_imports_no_tensorflow(tmp_path: Path) -> None:
     assert "tf_adasum" in imported, imported[-20:]  # the package, whose __init__ stops early
     heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
     assert not heavy, heavy[:10]
+
+
+def test_a_host_list_places_ranks_in_order_as_horovodrun() -> None:
+    assert run.parse_hosts("10.0.0.1:2,10.0.0.2:2", 4) == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2
+    assert run.parse_hosts("a,b,c", 2) == ["a", "b"]  # one slot each by default; the rest unused
+    with pytest.raises(ValueError, match=r"has 3 slots for -np 4"):
+        run.parse_hosts("a:1,b:2", 4)
+    with pytest.raises(ValueError, match=r"expected host:slots entries .* got 'b:two'"):
+        run.parse_hosts("a:1,b:two", 2)
+
+
+# An agent in ssh's place that runs the command here, noting which host it was asked for.
+AGENT = """
+import os, sys
+host, line = sys.argv[1], " ".join(sys.argv[2:])
+open(os.path.join(os.environ["AGENT_LOG"], host), "w").write(line)
+os.execvp("sh", ["sh", "-c", line])
+"""
+
+
+def test_other_hosts_are_started_through_the_agent_with_the_environment(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script, agent = tmp_path / "child.py", tmp_path / "agent.py"
+    script.write_text(CHILD)
+    agent.write_text(AGENT)
+    monkeypatch.setenv("AGENT_LOG", str(tmp_path))
+    monkeypatch.setenv("USERS_SETTING", 'it\'s "quoted" $HOME')
+    monkeypatch.chdir(tmp_path)
+    command = [sys.executable, str(script), str(tmp_path), "exit"]
+    code = run.launch(3, command, hosts="localhost:1,hostb:2", agent=f"{sys.executable} {agent}")
+    lines = capfd.readouterr().out.splitlines()
+    assert code == 0, lines
+    assert [line.split(" at ")[1].rsplit(":", 1)[0] for line in sorted(lines)] == [
+        "localhost",
+        *["hostb"] * 2,
+    ]
+    # localhost ran directly; hostb's two went through the agent, in this directory, with this
+    # environment (quoted for the remote shell) and their own TF_CONFIG.
+    remote = (tmp_path / "hostb").read_text()
+    assert remote.startswith(f"cd {tmp_path} && exec env ")
+    assert "USERS_SETTING='it'\"'\"'s \"quoted\" $HOME'" in remote and "TF_ADASUM_LAUNCHER=1" in remote
+    assert not (tmp_path / "localhost").exists()
