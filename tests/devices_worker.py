@@ -118,6 +118,47 @@ def main(out: Path, counts: list[int]) -> None:
     bn.fit(x[:rows] * (1 + comm.rank), y[:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
     np.savez(out / f"devices_batchnorm{comm.rank}.npz", *bn.get_weights())
 
+    # BatchNormalization(synchronized=True): the global batch's moments, through ReplicaContext.all_reduce.
+    with strategy.scope():
+        layers = [
+            keras.Input((3,)),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Dense(2),
+        ]
+        synced = keras.Sequential(layers)
+        synced.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    synced.fit(x[:rows] * (1 + comm.rank), y[:rows], batch_size=LOCAL * total, shuffle=False, verbose=0)
+    np.savez(out / f"devices_synced{comm.rank}.npz", *synced.get_weights())
+
+    # ReplicaContext.all_reduce and strategy.reduce by the enum's names in any case, as under
+    # MultiWorkerMirroredStrategy: over every replica of every process. Global replica g holds g + 1.
+    first = sum(counts[: comm.rank])
+
+    def replica_step() -> Any:
+        context = tf.distribute.get_replica_context()
+        value = tf.cast(first + context.replica_id_in_sync_group + 1, tf.float32)
+        return context.all_reduce("sum", value), context.all_reduce("MEAN", [value, 2 * value])
+
+    reductions = {}
+    for how, step in (("eager", replica_step), ("compiled", tf.function(replica_step))):
+        total_sum, (mean, twice) = strategy.run(step)
+        reductions[how] = [float(strategy.experimental_local_results(t)[0]) for t in (total_sum, mean, twice)]
+    per_replica = strategy.run(
+        lambda: tf.cast(first + tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)
+    )
+    reductions["reduce"] = [
+        float(strategy.reduce("sum", per_replica, axis=None)),
+        float(strategy.reduce("Mean", per_replica, axis=None)),
+    ]
+    if comm.engine == "tf":
+        # MultiWorkerMirroredStrategy's own all_reduce (one device a process), each process's first + 1.
+        mwms = comm.strategy
+        step = tf.function(
+            lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.constant(first + 1.0))
+        )
+        reductions["mwms_sum"] = float(mwms.experimental_local_results(mwms.run(step))[0])
+    (out / f"devices_reductions{comm.rank}.json").write_text(json.dumps(reductions))
+
 
 if __name__ == "__main__":
     replica_counts = [int(c) for c in sys.argv[2].split(",")]

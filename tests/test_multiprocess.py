@@ -253,7 +253,15 @@ def test_resuming_across_processes_equals_training_without_a_break(fit_and_strat
 # inside processes). Both paths of allreduce_replicas run under both engines in
 # test_allreduce_across_processes ("two", "three", "uneven"); the layouts the other way round cost 80 s
 # of CI. 2 x 2 and 3 x 3 take the same two paths.
-@pytest.mark.parametrize(("engine", "counts"), [("mpi", "2,3"), ("tf", "2,2,2")])
+# Then the layouts where a process holds exactly one device (1 + N, N + 1, 1 + 1 + N) under both
+# engines: Keras's build before fit reduces a batch only where a process has several replicas, and the
+# ranks took different collectives there. And 1 + 1 under the TF engine, MultiWorkerMirroredStrategy's
+# own layout, where its ReplicaContext.all_reduce gives the same number as AdasumStrategy's.
+LAYOUTS = [("mpi", "2,3"), ("tf", "2,2,2")]
+LAYOUTS += [(e, c) for c in ("1,3", "3,1", "1,1,2") for e in ("mpi", "tf")] + [("tf", "1,1")]
+
+
+@pytest.mark.parametrize(("engine", "counts"), LAYOUTS)
 def test_adasum_strategy_with_several_devices_in_each_process(
     engine: str, counts: str, tmp_path: Path
 ) -> None:
@@ -316,3 +324,37 @@ def test_adasum_strategy_with_several_devices_in_each_process(
         variance = 0.99 * variance + 0.01 * np.mean([b.var(0) for b in batches], axis=0)
     np.testing.assert_allclose(bn[0][2], mean, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(bn[0][3], variance, rtol=1e-5, atol=1e-7)
+
+    # BatchNormalization(synchronized=True): every step, the moments of the whole global batch.
+    synced = [list(np.load(tmp_path / f"devices_synced{r}.npz").values()) for r in range(p)]
+    for r in range(1, p):
+        for mine, first in zip(synced[r], synced[0], strict=True):
+            np.testing.assert_array_equal(mine, first)
+    mean, variance = np.zeros(3), np.ones(3)
+    for step in range(STEPS):
+        rows_of_step = np.concatenate(
+            [
+                x[step * LOCAL * total + i * LOCAL : step * LOCAL * total + (i + 1) * LOCAL].astype(
+                    np.float64
+                )
+                * (1 + owner[i])
+                for i in range(total)
+            ]
+        )
+        mean = 0.99 * mean + 0.01 * rows_of_step.mean(0)
+        variance = 0.99 * variance + 0.01 * rows_of_step.var(0)
+    np.testing.assert_allclose(synced[0][2], mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(synced[0][3], variance, rtol=1e-5, atol=1e-7)
+
+    # ReplicaContext.all_reduce and strategy.reduce("sum"/"Mean"): over every replica of every
+    # process (global replica g holds g + 1), eagerly and compiled; MWMS's own sum where it can run.
+    for r in range(p):
+        got = json.loads((tmp_path / f"devices_reductions{r}.json").read_text())
+        want = [total * (total + 1) / 2, (total + 1) / 2, float(total + 1)]
+        assert got["eager"] == want and got["compiled"] == want, (r, got, want)
+        assert got["reduce"] == want[:2], (r, got)
+        if engine == "tf":  # MultiWorkerMirroredStrategy's sum, in its own layout, checks the oracle
+            theirs = sum(sum(per_rank[:q]) + 1 for q in range(p))
+            assert got["mwms_sum"] == theirs, (r, got)
+            if set(per_rank) == {1}:  # the same layout: the same number
+                assert got["eager"][0] == theirs, (r, got)

@@ -103,6 +103,8 @@ if not _the_launcher_alone():
     # and nothing sums the replicas' gradients.
     _compat.install_optimizer_apply(strategy.adasum_for)
     _compat.install_gradient_sum_guard(strategy.refuse_gradient_mean)
+    # Keras's build on one batch reduces it for its shapes only: AdasumStrategy keeps that in the process.
+    _compat.install_symbolic_build_mark()
 
     # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
     # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or

@@ -44,6 +44,12 @@ The hooks:
     the finiteness decision of mixed precision. Keras takes it from the first replica, since its
     gradients are all-reduced; Adasum's are not, so tf_adasum makes it global (see
     install_global_loss_scale_finiteness).
+`_maybe_symbolic_build`
+    TensorFlowTrainer's build of the model on one batch before fit, evaluate and predict. Where a
+    process holds several replicas it reduces that batch through strategy.reduce, for its shapes only;
+    a process with one replica has no per-replica batch and calls nothing. tf_adasum marks the build
+    (in_symbolic_build), so that AdasumStrategy.reduce stays inside the process there: a reduce across
+    processes would meet nothing on the one-replica process (install_symbolic_build_mark).
 `_create_device_dataset`
     tf.data's per-device prefetch datasets (quiet_per_device_iterators). Optional: without it,
     epoch boundaries can be slow with many replicas, nothing else changes.
@@ -195,6 +201,15 @@ def _check_loss_scale() -> str | None:
     return None
 
 
+def _check_symbolic_build() -> str | None:
+    build = getattr(_trainer(), "_maybe_symbolic_build", None)
+    if build is None:
+        return "TensorFlowTrainer has no _maybe_symbolic_build"
+    if not _uses(getattr(build, "_tf_adasum_original", build), "reduce"):
+        return "TensorFlowTrainer._maybe_symbolic_build no longer reduces its batch through the strategy"
+    return None
+
+
 def _check_device_datasets() -> str | None:
     from tensorflow.python.data.ops import multi_device_iterator_ops
 
@@ -244,13 +259,18 @@ HOOKS = {
             "under mixed_float16, one replica's overflow would not skip the step on the others",
         ),
         Hook(
+            "_maybe_symbolic_build",
+            _check_symbolic_build,
+            "a process with one replica beside processes with several fails at fit's first batch",
+        ),
+        Hook(
             "_create_device_dataset",
             _check_device_datasets,
             "epoch boundaries may stall with many replicas (nothing else changes)",
         ),
     )
 }
-REQUIRED = tuple(name for name in HOOKS if name != "_create_device_dataset")
+REQUIRED = tuple(name for name in HOOKS if name not in ("_create_device_dataset", "_maybe_symbolic_build"))
 
 
 def hook_problem(name: str) -> str | None:
@@ -515,6 +535,37 @@ def loss_scale_inner(optimizer: Any) -> Any:
     if optimizer is not None and isinstance(optimizer, _loss_scale_optimizer()):
         return optimizer.inner_optimizer
     return optimizer
+
+
+# --- _maybe_symbolic_build ------------------------------------------------------------------------
+
+_building = threading.local()
+
+
+def in_symbolic_build() -> bool:
+    """Whether Keras is building a model on one batch (before fit, evaluate, predict) on this thread."""
+    return getattr(_building, "active", False)
+
+
+def install_symbolic_build_mark() -> None:
+    """Marks TensorFlowTrainer._maybe_symbolic_build's run (in_symbolic_build), once per process."""
+    if hook_problem("_maybe_symbolic_build") is not None:
+        return
+    trainer = _trainer()
+    original = trainer._maybe_symbolic_build
+    if hasattr(original, "_tf_adasum_original"):
+        return
+
+    @functools.wraps(original)
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = in_symbolic_build()
+        _building.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _building.active = outer
+
+    trainer._maybe_symbolic_build = _mark(build, original)
 
 
 # --- _create_device_dataset -----------------------------------------------------------------------

@@ -134,18 +134,34 @@ def _mean_over_processes(comm: Any, values: Any, weights: Sequence[float] | None
     return distributed.allreduce(scaled, op=distributed.Sum)
 
 
-def reduce_over_processes(value: tf.Tensor, mean: bool, weights: Sequence[float] | None = None) -> tf.Tensor:
-    """The sum over processes of a tensor, or with `mean` its mean (each process's weighed by
-    weights[rank] where given); floating dtypes are added in float64."""
+def reduce_over_processes(value: Any, mean: bool, weights: Sequence[float] | None = None) -> Any:
+    """The sum over processes of a tensor (or a nest of them, in one collective per kind), or with
+    `mean` its mean (each process's weighed by weights[rank] where given); floating dtypes are added
+    in float64."""
     comm = distributed.init()
     if comm.size == 1:
         return value
-    wide = tf.cast(value, tf.float64) if value.dtype.is_floating else value
-    if mean and wide.dtype.is_floating:
-        total = _mean_over_processes(comm, wide, weights)
-    else:
-        total = distributed.allreduce(wide, op=distributed.Average if mean else distributed.Sum)
-    return tf.cast(total, value.dtype)
+    flat = tf.nest.flatten(value)
+    wide = [tf.cast(v, tf.float64) if v.dtype.is_floating else v for v in flat]
+    floats = [i for i, w in enumerate(wide) if w.dtype.is_floating]
+    others = [i for i, w in enumerate(wide) if not w.dtype.is_floating]
+    totals: list[Any] = [None] * len(wide)
+    if floats:
+        part = [wide[i] for i in floats]
+        summed = (
+            _mean_over_processes(comm, part, weights)
+            if mean
+            else distributed.allreduce(part, op=distributed.Sum)
+        )
+        for i, total in zip(floats, summed, strict=True):
+            totals[i] = total
+    if others:
+        part = [wide[i] for i in others]
+        summed = distributed.allreduce(part, op=distributed.Average if mean else distributed.Sum)
+        for i, total in zip(others, summed, strict=True):
+            totals[i] = total
+    cast = [tf.cast(t, v.dtype) for t, v in zip(totals, flat, strict=True)]
+    return tf.nest.pack_sequence_as(value, cast)
 
 
 def average_state_over_processes(variables: Sequence[Any], weights: Sequence[float] | None = None) -> None:

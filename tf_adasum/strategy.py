@@ -69,6 +69,43 @@ def _keeping_iterators(distributed: Any, strategy: AdasumStrategy) -> Any:
     return distributed
 
 
+_ACROSS_CLASSES: dict[type, type] = {}
+
+
+def _reducing_across_processes(extended: Any) -> None:
+    """Makes the strategy's batched reductions global over every replica of every process, as
+    MultiWorkerMirroredStrategy's are: ReplicaContext.all_reduce (global-norm clipping, a custom loop's
+    metrics, BatchNormalization(synchronized=True)) and extended.batch_reduce_to.
+
+    MirroredStrategy reduces inside its process only, and a custom loop across processes silently got
+    one process's sum. Each local result is reduced over processes in one collective per call (a MEAN
+    weighs each process by its replicas), then put back on the destinations. Inside
+    sync.within_processes they stay local: tf_adasum's own local reductions. extended.reduce_to, which
+    TensorFlow also uses for a variable's aggregation inside a replica, stays local.
+    """
+    base = type(extended)
+    across = _ACROSS_CLASSES.get(base)
+    if across is None:
+
+        def _batch_reduce_to(self: Any, reduce_op: Any, value_destination_pairs: Any, options: Any) -> Any:
+            local = base._batch_reduce_to(self, reduce_op, value_destination_pairs, options)
+            strategy = self._container_strategy()
+            if strategy.comm.size == 1 or strategy.reductions_within_processes or _compat.in_symbolic_build():
+                return local
+            firsts = [strategy.experimental_local_results(r)[0] for r in local]
+            firsts = [tf.convert_to_tensor(f) for f in firsts]  # IndexedSlices: dense
+            mean = reduce_op == tf.distribute.ReduceOp.MEAN
+            totals = reduce_over_processes(firsts, mean, strategy._weights())
+            return [
+                self._broadcast_to(total, destination)
+                for total, (_, destination) in zip(totals, value_destination_pairs, strict=True)
+            ]
+
+        # A subclass, so that isinstance checks on the extended still pass.
+        across = _ACROSS_CLASSES[base] = type(base.__name__, (base,), {"_batch_reduce_to": _batch_reduce_to})
+    extended.__class__ = across
+
+
 def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     """What keras.optimizers.get returns (tf_adasum/__init__.py installs it): under an AdasumStrategy's
     scope, the optimizer wrapped in AdasumOptimizer; anywhere else, the optimizer itself.
@@ -195,14 +232,16 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         if cross_device_ops is None and not own_devices("GPU", self.comm.rank):
             # NCCL needs GPUs; on CPUs reduce through one device, as MirroredStrategy's users expect.
             cross_device_ops = tf.distribute.ReductionToOneDevice()
-        if self.comm.size > 1 and devices is None:
-            # Never MirroredStrategy's default here: with TF_CONFIG set it takes every worker's devices
-            # (the TF engine's, and tf_adasum.run's), and its first variable on another host's device
-            # kills the process (SIGSEGV), which is how a job of one process per host died.
-            devices = _default_devices(self.comm)
         if self.comm.size > 1:
+            if devices is None:
+                # Never MirroredStrategy's default here: with TF_CONFIG set it takes every worker's devices
+                # (the TF engine's, and tf_adasum.run's), and its first variable on another host's device
+                # kills the process (SIGSEGV), which is how a job of one process per host died.
+                devices = _default_devices(self.comm)
             _refuse_other_processes_devices(devices, self.comm.rank)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        _reducing_across_processes(self.extended)
+        self.reductions_within_processes = 0  # see sync.within_processes
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self._recent_iterators: collections.deque[Any] = collections.deque(maxlen=KEPT_ITERATORS)
         self.sync_every = sync_every
@@ -292,8 +331,13 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         Keras reads its metrics (sync-on-read variables) through this, so epoch logs, History and
         callbacks such as EarlyStopping see the same global values on every process.
         """
-        local = super().reduce(reduce_op, value, axis)
-        op = tf.distribute.ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
+        # TensorFlow takes the enum's names in any case ("sum", "SUM", "Mean"), as MirroredStrategy does.
+        op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        local = super().reduce(op, value, axis)
+        if self.comm.size == 1 or _compat.in_symbolic_build():
+            # Keras's build before fit reduces one batch for its shapes only, and only where a process
+            # has several replicas: across processes it would meet nothing where one has a single one.
+            return local
         mean, weights = op == tf.distribute.ReduceOp.MEAN, self._weights()
         return tf.nest.map_structure(lambda t: reduce_over_processes(t, mean, weights), local)
 

@@ -13,8 +13,11 @@ and the argument checks the entry points share.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -170,6 +173,31 @@ def start_window(
         target.assign(tf.where(tf.logical_or(opens, written), value, tf.identity(target)))
 
 
+_within_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def within_processes(distribution: Any) -> Iterator[None]:
+    """Keeps the strategy's batched reductions (ReplicaContext.all_reduce, extended.batch_reduce_to)
+    inside this process while it lasts.
+
+    AdasumStrategy makes them global over every replica of every process, as MultiWorkerMirroredStrategy
+    has them; tf_adasum's own reductions over a process's replicas run in here (the mean of
+    local_reduction="mean", a local overflow count before the agreement carries it across processes).
+    Every replica thread of a merge_call enters it, so it is a count, not a flag.
+    """
+    if not hasattr(distribution, "reductions_within_processes"):
+        yield
+        return
+    with _within_lock:
+        distribution.reductions_within_processes += 1
+    try:
+        yield
+    finally:
+        with _within_lock:
+            distribution.reductions_within_processes -= 1
+
+
 def local_mean(
     distribution: tf.distribute.Strategy, per_replica: list[list[tf.Tensor]], variables: list[Any]
 ) -> list[tf.Tensor]:
@@ -181,10 +209,11 @@ def local_mean(
         )
         for i in range(len(variables))
     ]
-    means = distribution.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.MEAN,
-        [(value, tf_variable(variable)) for value, variable in zip(values, variables, strict=True)],
-    )
+    with within_processes(distribution):
+        means = distribution.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.MEAN,
+            [(value, tf_variable(variable)) for value, variable in zip(values, variables, strict=True)],
+        )
     return [tf.identity(replica_values(mean)[0]) for mean in means]
 
 
@@ -231,9 +260,10 @@ def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:
     finite = tf.convert_to_tensor(finite)
     context = tf.distribute.get_replica_context()
     if context is not None and context.num_replicas_in_sync > 1:
-        overflowed = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
-        )
+        with within_processes(context.strategy):
+            overflowed = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+            )
         finite = tf.equal(overflowed, 0.0)
     comm = distributed.init()
     if comm.size == 1:
