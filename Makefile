@@ -7,7 +7,7 @@ LIBRARY := tf_adasum/_adasum_ops.so
 NVCC ?= /usr/local/cuda/bin/nvcc
 CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 
-.PHONY: venv build test lint demo bench cuda horovod build-gpu test-gpu-build clean
+.PHONY: venv build test test-fast lint demo bench cuda horovod build-gpu test-gpu-build clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: $(STAMP)
 # Horovod's horovodrun launches the Gloo-mode test; without it that test would skip.
 test: build lint horovod
 	$(PY) -m pytest -q --durations=20
+
+# A developer's loop: every test that runs in this process, none that launches a job of several
+# (pytest -m multiprocess picks those alone). CI runs `make test`, everything.
+test-fast: build
+	$(PY) -m pytest -q -m "not multiprocess" --durations=10
 
 # Horovod 0.28.1 built against the venv's TensorFlow (Gloo, MPI): horovodrun next to tf_adasum.
 horovod: $(VENV)/bin/horovodrun

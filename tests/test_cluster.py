@@ -28,6 +28,9 @@ from tests.processes import log_tail
 sys.path.insert(0, str(processes.ROOT / "scripts"))
 import cluster
 
+# Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
+pytestmark = pytest.mark.multiprocess
+
 WORKER = str(Path(__file__).with_name("hosts_worker.py"))
 CUT_PEER_TIMEOUT = 10.0
 

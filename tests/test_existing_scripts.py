@@ -1,8 +1,7 @@
 """Existing scripts on real processes: plain Keras with AdasumCallback, Horovod scripts with
 tf_adasum.keras, and failures (a NaN, uneven data, a killed rank). Each launch runs under mpirun or the
-TF launcher, on 127.0.0.1, bounded by a timeout; tests/script_worker.py is what every process runs.
-(horovodrun's Gloo mode, which starts the same TF engine, runs the loop examples in
-test_loops_across_processes.)"""
+TF launcher, on 127.0.0.1, bounded by a timeout, and the 3-process scripts under horovodrun's Gloo mode
+too; tests/script_worker.py is what every process runs."""
 
 from __future__ import annotations
 
@@ -18,6 +17,9 @@ from tests import processes
 from tests.processes import log_tail
 from tests.script_worker import ACCUMULATION, BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
 from tests.test_training import Replica, mse_grads, simulate_replicas
+
+# Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
+pytestmark = pytest.mark.multiprocess
 
 WORKER = str(Path(__file__).with_name("script_worker.py"))
 
@@ -74,7 +76,7 @@ def check_callback_run(out: Path, p: int) -> None:
                 np.testing.assert_array_equal(got, first)
 
 
-@pytest.fixture(scope="module", params=["mpi", "tf"])
+@pytest.fixture(scope="module", params=["mpi", "tf", "horovodrun"])
 def three_processes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, Path]:
@@ -91,8 +93,11 @@ def test_adasum_callback_on_three_processes_equals_the_simulation(three_processe
     check_callback_run(tmp_path, 3)
     infos, _ = load(tmp_path, "callback_case0_", 3)
     for info in infos:  # the engine the launcher starts: MPI under mpirun, the TF engine's workers else
-        assert info["engine"] == launcher and info["size"] == 3, info
+        assert info["engine"] == ("mpi" if launcher == "mpi" else "tf") and info["size"] == 3, info
         assert (info["workers"] is None) == (launcher == "mpi"), info
+        # horovodrun's Gloo mode: the TF engine started from its rendezvous store (Horovod's own Adasum
+        # aborts at 3 ranks and refuses Gloo).
+        assert (info["rendezvous"] is not None) == (launcher == "horovodrun"), info
 
 
 def test_the_simulation_can_tell_root_and_sync_every_apart() -> None:

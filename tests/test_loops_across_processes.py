@@ -19,6 +19,9 @@ from tests.script_worker import BATCH, ROWS_PER_RANK, initial_weights, shard
 from tests.test_existing_scripts import load, simulate_processes
 from tests.test_training import Replica, mse_grads, simulate
 
+# Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
+pytestmark = pytest.mark.multiprocess
+
 WORKER = str(Path(__file__).with_name("loop_worker.py"))
 
 

@@ -15,6 +15,9 @@ from tests import oracle, processes
 from tests.mp_worker import PROCESS_WRITES, SHAPES, local_counts, rank_tensors, replica_tensors, saved
 from tests.processes import log_tail
 
+# Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
+pytestmark = pytest.mark.multiprocess
+
 WORKER = str(Path(__file__).with_name("mp_worker.py"))
 
 
@@ -24,12 +27,11 @@ def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] 
 
 # The default algorithm (vhdd.algorithm: VHDD under MPI; for data this small, one all-gather under
 # the TF engine), and each forced where the default is the other: the TF engine's VHDD with a fold (3)
-# and with two levels (4), MPI's all-gather. Under MPI, powers of two, a fold of one (3) and a prime
-# with a fold of three over two levels (7); 5 (a fold of one over two levels), 6 (a fold of two) and the
-# TF engine's all-gather at 4 added nothing the others do not reach, and cost 70 s of CI.
+# and with two levels (4), MPI's all-gather. Under MPI, powers of two, a fold of one (3), a fold of one
+# over two levels (5) and a prime with a fold of three over two levels (7).
 @pytest.mark.parametrize(
     ("engine", "p", "forced"),
-    [("mpi", p, "") for p in (2, 3, 4, 7)]
+    [("mpi", p, "") for p in (2, 3, 4, 5, 7)]
     + [("tf", 2, ""), ("tf", 3, "")]
     + [("mpi", 3, "gather"), ("tf", 3, "vhdd"), ("tf", 4, "vhdd")],
 )
@@ -248,16 +250,14 @@ def test_resuming_across_processes_equals_training_without_a_break(fit_and_strat
         assert len(results) == 6 and all(results.values()), results
 
 
-# Each rank's number of replicas (logical CPUs), one layout per engine: 3 processes x 2 (equal powers of
+# Each rank's number of replicas (logical CPUs), under both engines: 3 processes x 2 (equal powers of
 # two: each process's tree, then VHDD over the processes) and 2 processes of 2 and 3 (the tree split
-# inside processes). Both paths of allreduce_replicas run under both engines in
-# test_allreduce_across_processes ("two", "three", "uneven"); the layouts the other way round cost 80 s
-# of CI. 2 x 2 and 3 x 3 take the same two paths.
+# inside processes). 2 x 2 and 3 x 3 take the same two paths.
 # Then the layouts where a process holds exactly one device (1 + N, N + 1, 1 + 1 + N) under both
 # engines: Keras's build before fit reduces a batch only where a process has several replicas, and the
 # ranks took different collectives there. And 1 + 1 under the TF engine, MultiWorkerMirroredStrategy's
 # own layout, where its ReplicaContext.all_reduce gives the same number as AdasumStrategy's.
-LAYOUTS = [("mpi", "2,3"), ("tf", "2,2,2")]
+LAYOUTS = [(e, c) for c in ("2,3", "2,2,2") for e in ("mpi", "tf")]
 LAYOUTS += [(e, c) for c in ("1,3", "3,1", "1,1,2") for e in ("mpi", "tf")] + [("tf", "1,1")]
 
 
