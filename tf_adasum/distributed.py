@@ -39,6 +39,9 @@ __all__ = [
     "ENGINES",
     "Adasum",
     "Average",
+    "Max",
+    "Min",
+    "Product",
     "ReduceOp",
     "Sum",
     "allreduce",
@@ -63,9 +66,13 @@ class ReduceOp(enum.Enum):
     ADASUM = "adasum"
     SUM = "sum"
     AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
 
 
 Adasum, Sum, Average = ReduceOp.ADASUM, ReduceOp.SUM, ReduceOp.AVERAGE
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
 
 
 # Library code runs as plain Python inside a tf.function: its branches depend only on static facts.
@@ -76,7 +83,8 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     Args:
         tensors: a tensor or a list of tensors, the same count, shapes and dtypes on every rank.
         op: tf_adasum.Adasum (per tensor, by the contract tree; floating dtypes only), tf_adasum.Sum
-            or tf_adasum.Average (any numeric dtype; integer averages round toward negative infinity).
+            or tf_adasum.Average (any numeric dtype; integer averages round toward negative infinity),
+            or elementwise Min, Max or Product (any numeric dtype).
         names: optional names of the tensors, used in error messages.
 
     Returns:
@@ -117,7 +125,8 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
         out = across_processes.adasum(comm, items, names)
     else:
         agreement.check_same_on_all_ranks(comm, items, what, names)
-        out = _fused(comm, items, lambda buffer: comm.allreduce_sum(buffer), agreement.ALLREDUCE, what)
+        reduction = "sum" if op is Average else op.value
+        out = _fused(comm, items, lambda buffer: comm.allreduce(buffer, reduction), agreement.ALLREDUCE, what)
         if op is Average:
             out = [t / comm.size if t.dtype.is_floating else t // comm.size for t in out]
     return out[0] if single else out

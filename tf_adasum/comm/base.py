@@ -38,6 +38,8 @@ class Communicator(abc.ABC):
         cross_size: int = 1,
     ) -> None:
         self.rank, self.size, self.local_rank, self.local_size = rank, size, local_rank, local_size
+        # Whether every host runs the same number of processes (Horovod's is_homogeneous).
+        self.homogeneous = True
         # As Horovod defines them: cross_rank is this host's index among the hosts that run a process
         # with this local_rank, and cross_size is how many such hosts there are.
         self.cross_rank, self.cross_size = cross_rank, cross_size
@@ -74,8 +76,8 @@ class Communicator(abc.ABC):
         """Every rank's tensor (same shape everywhere) stacked along a new first axis, in rank order."""
 
     @abc.abstractmethod
-    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
-        """The plain elementwise sum over all ranks."""
+    def allreduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
+        """The elementwise reduction over all ranks: "sum", "min", "max" or "product"."""
 
     @abc.abstractmethod
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
@@ -169,7 +171,7 @@ class SingleProcessCommunicator(Communicator):
     def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
         return tf.expand_dims(tensor, 0)
 
-    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
+    def allreduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
         return tensor
 
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:

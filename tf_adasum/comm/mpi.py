@@ -56,6 +56,11 @@ class MPICommunicator(HostCommunicator):
             cross.Get_rank(),
             cross.Get_size(),
         )
+        sizes = np.empty(self.size, np.int64)
+        self._wait(
+            [self._comm.Iallgather(np.array([self.local_size], np.int64), sizes)], "start-up", "all ranks"
+        )
+        self.homogeneous = len(set(sizes.tolist())) == 1
         local.Free()
         cross.Free()
         self._groups: dict[tuple[int, ...], Any] = {}
@@ -195,7 +200,8 @@ class MPICommunicator(HostCommunicator):
         return self._host(run, [values], values.dtype, values.shape)
 
     def _summable(self, x: np.ndarray) -> np.ndarray:
-        return x.astype(np.float32) if x.dtype.itemsize == 2 and x.dtype.kind != "i" else x
+        # MPI has no float16 or bfloat16 type: they are reduced as float32 (exact for min and max).
+        return x.astype(np.float32) if x.dtype.itemsize == 2 and x.dtype.kind not in "iu" else x
 
     def broadcast(self, tensor: tf.Tensor, root: int) -> tf.Tensor:
         def run(x: np.ndarray) -> np.ndarray:
@@ -214,11 +220,14 @@ class MPICommunicator(HostCommunicator):
 
         return self._host(run, [tensor], tensor.dtype, [self.size, *tensor.shape])
 
-    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
+    def allreduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
+        op = {"sum": self._mpi.SUM, "min": self._mpi.MIN, "max": self._mpi.MAX, "product": self._mpi.PROD}
+        what = "allreduce" if reduction == "sum" else f"allreduce({reduction})"
+
         def run(x: np.ndarray) -> np.ndarray:
             wide = np.array(self._summable(x), order="C")
             out = np.empty_like(wide)
-            self._wait([self._comm.Iallreduce(wide, out, op=self._mpi.SUM)], "allreduce", "all ranks")
+            self._wait([self._comm.Iallreduce(wide, out, op=op[reduction])], what, "all ranks")
             return out.astype(x.dtype)
 
         return self._host(run, [tensor], tensor.dtype, tensor.shape)

@@ -117,6 +117,7 @@ class TFCollectiveCommunicator(Communicator):
         cross = [h for h in host_order if sum(1 for x in hosts if x == h) > local_rank]
         super().__init__(rank, len(workers), local_rank, len(same_host), cross.index(hosts[rank]), len(cross))
         self.workers = list(workers)
+        self.homogeneous = len({hosts.count(h) for h in host_order}) == 1
         task_type = "worker"
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({task_type: self.workers}),
@@ -162,6 +163,7 @@ class TFCollectiveCommunicator(Communicator):
         what: str,
         instance_key: int | None = None,
         fixed_group: str = "control",
+        merge_op: str = "Add",
     ) -> tf.Tensor:
         members = sorted(members)
         key = _group_key(members)
@@ -192,7 +194,7 @@ class TFCollectiveCommunicator(Communicator):
             with tf.device(self.device):
                 if kind == "gather":
                     return tf.raw_ops.CollectiveGatherV2(input=x, **args)
-                return tf.raw_ops.CollectiveReduceV2(input=x, merge_op="Add", final_op="Id", **args)
+                return tf.raw_ops.CollectiveReduceV2(input=x, merge_op=merge_op, final_op="Id", **args)
         except LOST_PEER as error:
             raise self.peer_error(error, what, members) from error
 
@@ -264,13 +266,20 @@ class TFCollectiveCommunicator(Communicator):
     def broadcast(self, tensor: tf.Tensor, root: int) -> tf.Tensor:
         return self.allgather(tensor)[root]
 
-    def allreduce_sum(self, tensor: tf.Tensor) -> tf.Tensor:
+    def allreduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
+        merge = {"sum": "Add", "min": "Min", "max": "Max", "product": "Mul"}[reduction]
+        what = "allreduce" if reduction == "sum" else f"allreduce({reduction})"
+        if tensor.dtype == tf.uint64 and reduction in ("min", "max"):
+            # As int64 (below) the order of values from 2**63 up would be wrong: gathered, then reduced.
+            reduce = tf.reduce_min if reduction == "min" else tf.reduce_max
+            return reduce(self.allgather(tensor), axis=0)
         if tensor.dtype in (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64):
-            total = self._collective("reduce", tensor, range(self.size), "allreduce")
-        else:
+            total = self._collective("reduce", tensor, range(self.size), what, merge_op=merge)
+        else:  # the runtime reduces only these dtypes; sums and products of integers wrap the same way
             wide = tf.float32 if tensor.dtype.is_floating else tf.int64
             total = tf.cast(
-                self._collective("reduce", tf.cast(tensor, wide), range(self.size), "allreduce"), tensor.dtype
+                self._collective("reduce", tf.cast(tensor, wide), range(self.size), what, merge_op=merge),
+                tensor.dtype,
             )
         total.set_shape(tensor.shape)
         return total
