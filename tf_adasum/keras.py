@@ -32,6 +32,7 @@ from tf_adasum.tensorflow import (
     ProcessSet,
     Sum,
     add_process_set,
+    broadcast_global_variables,
     broadcast_variables,
     ccl_built,
     cross_rank,
@@ -141,15 +142,6 @@ def reducescatter(value: Any, name: str | None = None, op: Any = Average) -> tf.
     """This process's share of the first axis of the value reduced over all processes (Sum or Average);
     see tf_adasum.tensorflow.reducescatter."""
     return _tf.reducescatter(value, op=op)
-
-
-def broadcast_global_variables(root_rank: int) -> None:
-    """Horovod's TF1-era broadcast of the graph's global variables: there are none in TensorFlow 2."""
-    raise NotImplementedError(
-        "hvd.broadcast_global_variables is TensorFlow 1's (global variables of a graph): use "
-        f"hvd.broadcast_variables(model.variables, root_rank={root_rank}), or "
-        f"hvd.callbacks.BroadcastGlobalVariablesCallback({root_rank}) in fit"
-    )
 
 
 def DistributedOptimizer(
