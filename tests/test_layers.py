@@ -29,8 +29,8 @@ FLOORS: list[list[str]] = [
     ["across_processes", "engine"],
     # the public collectives
     ["distributed"],
-    # Keras state shared by processes; the one model sync
-    ["shared_state", "sync"],
+    # Keras state shared by processes; the one model sync; BatchNorm over processes
+    ["shared_state", "sync", "sync_batch_norm"],
     # the optimizer wrappers
     ["optimizer"],
     # the entry points: callbacks, the strategy, Horovod's TensorFlow face
