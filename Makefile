@@ -32,10 +32,11 @@ lint: $(STAMP)
 test: build lint horovod
 	$(PY) -m pytest -q --durations=20
 
-# A developer's loop: every test that runs in this process, none that launches a job of several
-# (pytest -m multiprocess picks those alone). CI runs `make test`, everything.
+# A developer's loop: the tests that run in this process and take seconds; none that launches a job of
+# several (pytest -m multiprocess picks those alone) or runs a study's smoke run or a long fit (-m slow).
+# CI runs `make test`, everything.
 test-fast: build
-	$(PY) -m pytest -q -m "not multiprocess" --durations=10
+	$(PY) -m pytest -q -m "not multiprocess and not slow" --durations=10
 
 # Horovod 0.28.1 built against the venv's TensorFlow (Gloo, MPI): horovodrun next to tf_adasum.
 horovod: $(VENV)/bin/horovodrun

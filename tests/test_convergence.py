@@ -89,6 +89,7 @@ def smoke(out: Path, script: str = "convergence.py", *flags: str) -> subprocess.
     return done
 
 
+@pytest.mark.slow
 def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
     done = smoke(tmp_path / "out")
     out = tmp_path / "out_smoke"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_adasum
@@ -59,6 +60,7 @@ def _model(strategy: tf.distribute.Strategy, entry: str) -> keras.Model:
     return model
 
 
+@pytest.mark.slow
 def test_saved_models_and_keras_files_load_without_tf_adasum(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 3)).astype(np.float32)

@@ -166,6 +166,7 @@ def test_with_no_staleness_each_mode_is_its_synchronous_counterpart_exactly(
     assert not np.allclose(model.get_weights()[0], start[0])
 
 
+@pytest.mark.slow
 def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
     # The Transformer's experiment: the CNN's differs only in its model and data, which the
     # convergence smoke run and the tests above use.
@@ -197,6 +198,7 @@ def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
     assert "12 runs, 12 already in" in again.stdout and "[1/" not in again.stdout, again.stdout
 
 
+@pytest.mark.slow
 def test_a_real_parameter_server_run_on_localhost_trains_asynchronously(tmp_path: Path) -> None:
     """benchmarks/parameter_server.py: one parameter server and two workers, real processes on
     127.0.0.1, Keras 3 under ParameterServerStrategy with a ClusterCoordinator."""

@@ -250,6 +250,7 @@ def check_fit_write_fit(
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "kind", "p", "sync_every"), WRITES)
 def test_weights_written_between_two_fits_are_the_new_weights(
     how: str, kind: str, p: int, sync_every: int
@@ -540,6 +541,7 @@ def test_the_strategy_holds_its_latest_iterators_until_newer_ones_replace_them()
     assert {id(i) for i in strategy._recent_iterators} - from_fit
 
 
+@pytest.mark.slow
 def test_thirty_two_replicas_run_three_epochs_and_predict_a_partial_batch(tmp_path: Path) -> None:
     # Epoch boundaries used to stall for minutes at 32 replicas (see _compat.quiet_per_device_iterators).
     import json
