@@ -92,8 +92,8 @@ def _reducing_across_processes(extended: Any) -> None:
             strategy = self._container_strategy()
             if strategy.comm.size == 1 or strategy.reductions_within_processes or _compat.in_symbolic_build():
                 return local
-            firsts = [strategy.experimental_local_results(r)[0] for r in local]
-            firsts = [tf.convert_to_tensor(f) for f in firsts]  # IndexedSlices: dense
+            # Every local replica holds the process's result: the first's, dense (IndexedSlices too).
+            firsts = [tf.convert_to_tensor(strategy.experimental_local_results(r)[0]) for r in local]
             mean = reduce_op == tf.distribute.ReduceOp.MEAN
             totals = reduce_over_processes(firsts, mean, strategy._weights())
             return [
@@ -339,7 +339,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             # has several replicas: across processes it would meet nothing where one has a single one.
             return local
         mean, weights = op == tf.distribute.ReduceOp.MEAN, self._weights()
-        return tf.nest.map_structure(lambda t: reduce_over_processes(t, mean, weights), local)
+        return reduce_over_processes(local, mean, weights)  # one collective per kind of dtype
 
     def _weights(self) -> list[float] | None:
         """Each process's share of the replicas, where they differ (a mean over processes then weighs

@@ -1003,18 +1003,7 @@ def PartialDistributedGradientTape(
     Raises:
         ValueError: something in local_layers is not a Keras layer.
     """
-    if local_layers is None:
-        layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        layers = [local_layers]
-    else:
-        layers = list(local_layers)
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, keras.layers.Layer):
-                raise ValueError(
-                    f"PartialDistributedGradientTape: local_layers[{i}] is a {type(layer).__name__}; every "
-                    "local layer must be a keras.layers.Layer"
-                )
+    layers = _local_layers("PartialDistributedGradientTape", local_layers)
     tape = DistributedGradientTape(
         gradtape,
         device_dense=device_dense,
@@ -1153,10 +1142,25 @@ def PartialDistributedOptimizer(
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
     )
-    layers = (
-        [] if local_layers is None else local_layers if isinstance(local_layers, list) else [local_layers]
-    )
-    for layer in layers:
+    for layer in _local_layers("PartialDistributedOptimizer", local_layers):
         for variable in layer.trainable_weights:
             wrapped.register_local_var(variable)
     return wrapped
+
+
+def _local_layers(where: str, local_layers: Any) -> list[Any]:
+    """Horovod's local_layers (None, a Keras layer, or a list of them) as a list.
+
+    Raises:
+        ValueError: something in it is not a Keras layer.
+    """
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise ValueError(
+                f"{where}: local_layers[{i}] is a {type(layer).__name__}; every local layer must be a "
+                "keras.layers.Layer"
+            )
+    return layers
