@@ -169,14 +169,66 @@ def main() -> None:
         default=DEFAULT_AGENT,
         help=f"starts a process on another host: AGENT HOST COMMAND ({DEFAULT_AGENT!r})",
     )
+    elastic = parser.add_argument_group(
+        "elastic training (see tf_adasum/elastic_launcher.py and the README's Elastic training)"
+    )
+    elastic.add_argument("--elastic", action="store_true", help="go on when workers are lost or added")
+    elastic.add_argument("--min-np", type=int, default=None, help="the fewest workers to go on with (default -np)")
+    elastic.add_argument("--max-np", type=int, default=None, help="the most workers (default -np)")
+    elastic.add_argument(
+        "--host-discovery-script", default=None, help="prints the available host:slots lines; run every second"
+    )
+    elastic.add_argument("--reset-limit", type=int, default=None, help="the most resets (default: no limit)")
+    elastic.add_argument(
+        "--elastic-timeout", type=float, default=600.0, help="seconds to wait for --min-np slots (600)"
+    )
+    elastic.add_argument("--state-dir", default=None, help="where processes leave their commits for the next group")
+    elastic.add_argument("--resume-from", default=None, help="a group directory of STATE_DIR to resume from")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    if args.hosts:
+    if args.hosts and not args.elastic:
         try:
             parse_hosts(args.hosts, args.np)
         except ValueError as error:
             parser.error(str(error))
+    elastic_only = [
+        flag
+        for flag, value in (
+            ("--min-np", args.min_np),
+            ("--max-np", args.max_np),
+            ("--host-discovery-script", args.host_discovery_script),
+            ("--reset-limit", args.reset_limit),
+            ("--state-dir", args.state_dir),
+            ("--resume-from", args.resume_from),
+        )
+        if value is not None
+    ]
+    if elastic_only and not args.elastic:
+        parser.error(f"{', '.join(elastic_only)} only go with --elastic")
+    if args.elastic:
+        from tf_adasum.elastic_launcher import elastic_launch
+
+        if args.hosts and args.host_discovery_script:
+            parser.error("give -H or --host-discovery-script, not both")
+        try:
+            code = elastic_launch(
+                args.np,
+                [sys.executable, args.script, *args.args],
+                min_np=args.min_np,
+                max_np=args.max_np,
+                hosts=args.hosts,
+                discovery_script=args.host_discovery_script,
+                reset_limit=args.reset_limit,
+                elastic_timeout=args.elastic_timeout,
+                timeout=args.timeout,
+                agent=args.agent,
+                state_dir=args.state_dir,
+                resume_from=args.resume_from,
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        sys.exit(code)
     sys.exit(launch(args.np, [sys.executable, args.script, *args.args], args.timeout, args.hosts, args.agent))
 
 

@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, distributed, engine, ops, shared_state, sync
+from tf_adasum import agreement, distributed, elastic, engine, ops, shared_state, sync
 from tf_adasum.comm.base import Communicator
 from tf_adasum.compression import narrows
 from tf_adasum.distributed import Adasum, Average, Max, Min, Product, Sum
@@ -353,26 +353,6 @@ class BroadcastGlobalVariablesHook:
             "optimizer's variables) after the first step, or use "
             f"tf_adasum.keras.callbacks.BroadcastGlobalVariablesCallback({root_rank}) in fit"
         )
-
-
-class _Elastic:
-    """horovod.tensorflow(.keras).elastic: not supported; any use of it says so and what to do instead."""
-
-    def __init__(self, module: str) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise NotImplementedError(
-            f"{self._module}.elastic.{name}: elastic training (workers joining and leaving a running job) "
-            "is not supported by tf_adasum. Run a fixed number of processes, and resume a job that lost "
-            "one with keras.callbacks.BackupAndRestore (each process its own directory) or "
-            "tf.train.CheckpointManager, restarting the same command"
-        )
-
-
-elastic = _Elastic("hvd")
 
 
 def unsupported(where: str, **arguments: tuple[Any, Any]) -> None:

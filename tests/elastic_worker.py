@@ -1,0 +1,223 @@
+"""One process of the elastic tests, started by `python -m tf_adasum.run --elastic`.
+
+Usage:
+    elastic_worker.py OUT_DIR strategy   # model.fit under AdasumStrategy(), Horovod's elastic callbacks
+    elastic_worker.py OUT_DIR callback   # a plain model.fit with AdasumCallback, each process its share
+    elastic_worker.py OUT_DIR loop       # a GradientTape loop: tf_adasum.tensorflow's DistributedOptimizer
+                                         # (Adasum) and TensorFlowKerasState, a commit per batch
+
+The global batch is GLOBAL_BATCH rows whatever the number of processes: each process trains on its
+contiguous share of every global batch, so a new group reshards the data by itself.
+
+$FAULT injects failures, `group:rank:batch:kind` entries joined by commas, in the group and rank named,
+when that batch (of any epoch, counted from 0 in the epoch) starts:
+    kill     SIGKILL 50 ms into the batch (inside the step)
+    stop     SIGSTOP at the batch's start (a hang)
+    commit   SIGKILL inside the commit after that batch, after its copy, before the ranks meet
+    exit     exit(3) at the batch's start (a worker's own error)
+
+Each process writes OUT/final-rank{r}.npz (the weights) and .json (its group, size, where it resumed),
+and OUT/resumed-group{g}-rank{r}.json when its training function starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+import tf_adasum  # under tf_adasum.run this starts the TF engine
+
+# isort: split
+import keras
+import tensorflow as tf
+
+from tf_adasum import elastic
+
+GLOBAL_BATCH = 12
+ROWS = 96  # 8 global batches an epoch
+EPOCHS = 2
+BATCHES_PER_COMMIT = int(os.environ.get("BATCHES_PER_COMMIT", "1"))
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ROWS, 3)).astype(np.float32)
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    y = (x @ w + 0.1 * rng.standard_normal((ROWS, 2))).astype(np.float32)
+    return x, y
+
+
+def my_share(array: np.ndarray, rank: int, size: int) -> np.ndarray:
+    """This process's contiguous share of every global batch (AdasumStrategy's split)."""
+    batches = array.reshape(ROWS // GLOBAL_BATCH, GLOBAL_BATCH, *array.shape[1:])
+    first, last = GLOBAL_BATCH * rank // size, GLOBAL_BATCH * (rank + 1) // size
+    return batches[:, first:last].reshape(-1, *array.shape[1:])
+
+
+def model_in(scope: tf.distribute.Strategy | None) -> keras.Model:
+    with scope.scope() if scope is not None else _nothing():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.set_weights([np.full((3, 2), 0.1, np.float32), np.zeros(2, np.float32)])
+    return model
+
+
+class _nothing:  # noqa: N801
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def faults() -> list[tuple[int, int, int, str]]:
+    entries = [e for e in os.environ.get("FAULT", "").split(",") if e]
+    return [(int(g), int(r), int(b), k) for g, r, b, k in (e.split(":") for e in entries)]
+
+
+def my_faults(kind: str | None = None) -> dict[int, str]:
+    """{batch: kind} of this process's faults in this group."""
+    group, rank = elastic.generation(), tf_adasum.rank()
+    return {b: k for g, r, b, k in faults() if g == group and r == rank and (kind is None or k == kind)}
+
+
+def at_batch_start(batch: int) -> None:
+    kind = my_faults().get(batch)
+    if kind == "kill":
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "exit":
+        sys.stdout.flush()
+        os._exit(3)
+
+
+def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
+    """Makes this process die inside the commit that follows a `commit` fault's batch."""
+    batches = my_faults("commit")
+    if not batches:
+        return
+    check = state.check_host_updates
+
+    def dying_check() -> None:
+        if batch_of_commit() in batches:
+            os.kill(os.getpid(), signal.SIGKILL)
+        check()
+
+    state.check_host_updates = dying_check
+
+
+class Faults(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
+        at_batch_start(batch)
+
+
+def record(out: Path, state: elastic.State, name: str) -> None:
+    rank = tf_adasum.rank()
+    info = {
+        "group": elastic.generation(),
+        "size": tf_adasum.size(),
+        "epoch": int(state.epoch),
+        "batch": int(state.batch),
+        "commit": state._commits,
+    }
+    (out / f"{name}-rank{rank}.json").write_text(json.dumps(info))
+
+
+def fit(out: Path, mode: str) -> None:
+    comm = tf_adasum.init()
+    x, y = data()
+    if mode == "strategy":
+        strategy = tf_adasum.AdasumStrategy()
+        model = model_in(strategy)
+        with strategy.scope():
+            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        fit_x, fit_y, batch, extra = x, y, GLOBAL_BATCH, []
+    else:
+        model = model_in(None)
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        fit_x, fit_y = my_share(x, comm.rank, comm.size), my_share(y, comm.rank, comm.size)
+        batch, extra = len(fit_x) // (ROWS // GLOBAL_BATCH), [tf_adasum.AdasumCallback()]
+    state = elastic.KerasState(model, epoch=0, batch=0)
+    kill_in_commit(state, lambda: state.batch - 1)
+
+    @elastic.run
+    def train(state: elastic.State) -> None:
+        record(out, state, f"resumed-group{elastic.generation()}")
+        state.model.fit(
+            fit_x,
+            fit_y,
+            batch_size=batch,
+            epochs=EPOCHS,
+            initial_epoch=state.epoch,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                *extra,
+                Faults(),
+                elastic.UpdateEpochStateCallback(state),
+                elastic.UpdateBatchStateCallback(state),
+                elastic.CommitStateCallback(state, batches_per_commit=BATCHES_PER_COMMIT),
+            ],
+        )
+
+    train(state)
+    finish(out, state)
+
+
+def loop(out: Path) -> None:
+    import tf_adasum.tensorflow as hvd
+
+    hvd.init()
+    x, y = data()
+    model = model_in(None)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), op=hvd.Adasum)
+
+    @tf.function
+    def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    opt.build(model.trainable_variables)
+    state = hvd.elastic.TensorFlowKerasState(model, opt, epoch=0, batch=0)
+    kill_in_commit(state, lambda: state.batch - 1)
+
+    @hvd.elastic.run
+    def train(state: elastic.State) -> None:
+        record(out, state, f"resumed-group{elastic.generation()}")
+        xs, ys = my_share(x, hvd.rank(), hvd.size()), my_share(y, hvd.rank(), hvd.size())
+        per = len(xs) // (ROWS // GLOBAL_BATCH)
+        while state.epoch < EPOCHS:
+            for b in range(state.batch, ROWS // GLOBAL_BATCH):
+                at_batch_start(b)
+                step(xs[b * per : (b + 1) * per], ys[b * per : (b + 1) * per])
+                state.batch = b + 1
+                state.commit()
+            state.epoch, state.batch = state.epoch + 1, 0
+            state.commit()
+
+    train(state)
+    finish(out, state)
+
+
+def finish(out: Path, state: elastic.State) -> None:
+    np.savez(out / f"final-rank{tf_adasum.rank()}.npz", *state.model.get_weights())
+    record(out, state, "final")
+
+
+if __name__ == "__main__":
+    out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    if mode == "loop":
+        loop(out_dir)
+    else:
+        fit(out_dir, mode)

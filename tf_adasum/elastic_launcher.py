@@ -1,0 +1,406 @@
+"""`python -m tf_adasum.run --elastic`: a job that goes on when workers are lost or slots are added.
+
+The launcher runs the job as a series of groups. A group is a TF_CONFIG cluster of processes with ranks
+0..n-1; it ends when every process has exited. A process exits with
+- 0: its training function returned (the job is done when every process of the group says so);
+- RESTART_EXIT_CODE: it survived a lost peer, or the launcher reported new slots; its last commits are
+  in its state file (see tf_adasum/elastic.py);
+- anything else, or a signal: it is lost. So is a process that has not exited PEER_TIMEOUT + GRACE
+  seconds after another of its group did (it hangs: SIGSTOP, a dead host).
+The next group takes the survivors first, in their old rank order, each pointed at its state file,
+then new processes for free slots, up to --max-np. A lost process's slot stays empty until the host
+discovery script's answer changes (without a script: for the rest of the job). Fewer than --min-np
+workers for --elastic-timeout seconds, or more than --reset-limit resets, end the job with an error
+naming the lost workers.
+
+The slots come from --host-discovery-script (horovodrun's: it prints `host:slots` lines; it is run
+every DISCOVERY_SECONDS) or from -H. When the script reports more slots than the group uses, and the
+group is smaller than --max-np, the launcher posts a notice; rank 0 reads it, and every rank leaves at
+the next commit, so the next group is larger.
+
+No TensorFlow here: the launcher starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tf_adasum import run as launcher
+
+# A survivor's exit: "start me again in the next group" (EX_TEMPFAIL).
+RESTART_EXIT_CODE = 75
+DISCOVERY_SECONDS = 1.0
+DEFAULT_PEER_TIMEOUT = 300.0  # tf_adasum.errors.DEFAULT_TIMEOUT_SECONDS, without importing TensorFlow
+
+
+def peer_timeout() -> float:
+    return float(os.environ.get("TF_ADASUM_TIMEOUT_SECONDS", DEFAULT_PEER_TIMEOUT))
+
+
+class ElasticError(RuntimeError):
+    """The job cannot go on: too few workers, too many resets."""
+
+
+def parse_slots(text: str) -> dict[str, int]:
+    """{host: slots} from a discovery script's output: `host:slots` or `host` lines (one slot)."""
+    slots: dict[str, int] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        host, sep, count = line.rpartition(":")
+        if not sep:
+            host, count = line, "1"
+        if not host or not count.isdigit():
+            raise ValueError(f"host discovery: expected host:slots lines, got {line!r}")
+        slots[host] = slots.get(host, 0) + int(count)
+    return slots
+
+
+class Discovery:
+    """The slots the job may use: the discovery script's latest answer, or -H's."""
+
+    def __init__(self, script: str | None, hosts: str | None, np: int) -> None:
+        self.script = script
+        self.static = parse_slots(hosts.replace(",", "\n")) if hosts else {"127.0.0.1": np}
+        self.problem: str | None = None
+
+    def slots(self) -> dict[str, int]:
+        if not self.script:
+            return dict(self.static)
+        try:
+            done = subprocess.run(
+                self.script, shell=True, capture_output=True, text=True, timeout=30, check=False
+            )
+            if done.returncode != 0:
+                raise ValueError(f"exited with {done.returncode}: {done.stderr.strip()[-300:]}")
+            self.problem = None
+            return parse_slots(done.stdout)
+        except (ValueError, subprocess.TimeoutExpired) as error:
+            if self.problem != str(error):
+                sys.stderr.write(f"tf_adasum.run: host discovery script {self.script!r}: {error}\n")
+            self.problem = str(error)
+            return {}
+
+
+@dataclass
+class Worker:
+    id: str
+    host: str
+    resume_file: str = ""
+    state_file: str = ""
+    rank: int = -1
+    proc: Any = None
+    outcome: str | None = None  # "done", "restart", or why it was lost
+    code: int | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
+
+
+class _Notices(http.server.ThreadingHTTPServer):
+    """Answers rank 0's GET /updates?generation=G with the group's latest notice (0: none)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.notice: dict[int, int] = {}
+        self.advertised = "127.0.0.1"
+        super().__init__(("0.0.0.0", 0), _NoticeHandler)
+
+
+class _NoticeHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        group = self.path.rpartition("generation=")[2]
+        value = self.server.notice.get(int(group), 0) if group.isdigit() else 0  # type: ignore[attr-defined]
+        body = str(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _forward(worker: Worker, group: int, lock: threading.Lock) -> None:
+    for line in iter(worker.proc.stdout.readline, b""):
+        worker.tail.append(line.decode(errors="replace").rstrip())
+        with lock:
+            sys.stdout.buffer.write(f"[{worker.rank}] ".encode() + line)
+            sys.stdout.buffer.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with {code}"
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"tf_adasum.run: {message}\n")
+    sys.stderr.flush()
+
+
+def elastic_launch(
+    np: int,
+    command: list[str],
+    min_np: int | None = None,
+    max_np: int | None = None,
+    hosts: str | None = None,
+    discovery_script: str | None = None,
+    reset_limit: int | None = None,
+    elastic_timeout: float = 600.0,
+    timeout: float | None = None,
+    agent: str = launcher.DEFAULT_AGENT,
+    state_dir: str | None = None,
+    resume_from: str | None = None,
+) -> int:
+    """Runs `command` elastically; returns 0 when a group finishes, else the failure's exit code.
+
+    Args:
+        np: the first group's size.
+        command: what each process runs.
+        min_np: the fewest workers the job goes on with (default np).
+        max_np: the most workers (default np).
+        hosts: -H host:slots,... (without a discovery script); default np slots on 127.0.0.1.
+        discovery_script: prints the available host:slots lines; run every second.
+        reset_limit: how many resets (new groups after the first) the job may take; None: any number.
+        elastic_timeout: how long to wait for min_np slots before giving up.
+        timeout: seconds after which everything is killed (exit code 124).
+        agent: how a process starts on another host.
+        state_dir: where processes write their commits when they leave a group (on their own host).
+        resume_from: a group directory of an earlier job's state_dir: the first group resumes from its
+            commits (rank i from the i-th file by old rank), as if it were the next group.
+    """
+    min_np = np if min_np is None else min_np
+    max_np = max(np, max_np or np)
+    if not 1 <= min_np <= np:
+        raise ValueError(f"--min-np {min_np} must be between 1 and -np {np}")
+    state_dir = state_dir or os.path.join("/tmp", "tf_adasum_elastic", f"{os.getpid()}-{int(time.time())}")
+    os.makedirs(state_dir, exist_ok=True)
+    discovery = Discovery(discovery_script, hosts, np)
+    all_local = not discovery_script and all(h in launcher.LOCAL_HOSTS for h in discovery.static)
+    notices = _Notices()
+    threading.Thread(target=notices.serve_forever, daemon=True).start()
+    notices.advertised = "127.0.0.1" if all_local else _own_address()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    lock = threading.Lock()
+
+    survivors: list[Worker] = []
+    if resume_from:
+        files = sorted(
+            (f for f in os.listdir(resume_from) if f.endswith(".pkl")), key=lambda f: int(f.split("-")[0][4:])
+        )
+        survivors = [
+            Worker(id=f.split("-", 1)[1][:-4], host="127.0.0.1", resume_file=os.path.join(resume_from, f))
+            for f in files
+        ]
+    lost: list[Worker] = []
+    blocked: collections.Counter[str] = collections.Counter()
+    last_answer: dict[str, int] | None = None
+    next_id = 0
+    group = 0
+    resets = 0
+
+    def fresh_answer() -> dict[str, int]:
+        """The discovery's answer; a changed answer frees the slots of lost workers."""
+        nonlocal last_answer
+        answer = discovery.slots()
+        if discovery_script and last_answer is not None and answer != last_answer:
+            blocked.clear()
+        last_answer = answer
+        return answer
+
+    def more_slots(in_use: int) -> bool:
+        if not discovery_script or in_use >= max_np:
+            return False
+        free = collections.Counter(fresh_answer())
+        free.subtract(blocked)
+        return sum(max(n, 0) for n in free.values()) > in_use
+
+    try:
+        while True:
+            # The group's members: the survivors that still have a slot, then new processes.
+            wait_until = time.monotonic() + elastic_timeout
+            while True:
+                answer = fresh_answer()
+                free = collections.Counter(answer)
+                free.subtract(blocked)
+                members = []
+                for w in survivors:
+                    if free[w.host] > 0:
+                        free[w.host] -= 1
+                        members.append(w)
+                target = np if group == 0 else max_np
+                for host in answer:
+                    while free[host] > 0 and len(members) < target:
+                        free[host] -= 1
+                        members.append(Worker(id=f"w{next_id}", host=host))
+                        next_id += 1
+                if len(members) >= min_np:
+                    break
+                if time.monotonic() > wait_until:
+                    gone = "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
+                    raise ElasticError(
+                        f"{len(members)} worker(s) available, fewer than --min-np {min_np}, after waiting "
+                        f"{elastic_timeout:.0f} s for slots. Lost workers: {gone}. The last commits are in "
+                        f"{_last_group_dir(state_dir, group)} (resume with --resume-from)"
+                    )
+                time.sleep(DISCOVERY_SECONDS)
+            survivors = []
+            code = _run_group(group, members, command, notices, more_slots, state_dir, agent, lock, deadline)
+            if code is not None:
+                return code
+            ended = [w for w in members if w.outcome not in ("restart", "done")]
+            for w in ended:
+                blocked[w.host] += 1
+                lost.append(w)
+            survivors = [w for w in members if w.outcome == "restart"]
+            if all(w.outcome == "done" for w in members):
+                return 0
+            if any(w.outcome == "done" for w in members):
+                _say(
+                    f"group {group}: rank(s) {[w.rank for w in members if w.outcome == 'done']} finished "
+                    "training while others left it; the job is done"
+                )
+                return 0
+            for w in survivors:
+                w.resume_file = w.state_file
+            _say(
+                f"group {group} ended: "
+                + ", ".join(f"rank {w.rank} ({w.id}@{w.host}) {w.outcome}" for w in members)
+            )
+            resets += 1
+            if reset_limit is not None and resets > reset_limit:
+                last = ended[-1] if ended else (lost[-1] if lost else None)
+                why = f"{last.id} on {last.host}: {last.outcome}; its last output: {_last_error(last)}" if last else ""
+                _say(f"more than --reset-limit {reset_limit} resets; the last lost worker was {why}")
+                return (last.code if last and last.code and last.code > 0 else 1)
+            group += 1
+    except ElasticError as error:
+        _say(str(error))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        notices.shutdown()
+
+
+def _last_group_dir(state_dir: str, group: int) -> str:
+    return os.path.join(state_dir, f"group{max(group - 1, 0)}") if group else os.path.join(state_dir, "group0")
+
+
+def _last_error(worker: Worker) -> str:
+    lines = [line for line in worker.tail if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _run_group(
+    group: int,
+    members: list[Worker],
+    command: list[str],
+    notices: _Notices,
+    more_slots: Any,
+    state_dir: str,
+    agent: str,
+    lock: threading.Lock,
+    deadline: float | None,
+) -> int | None:
+    """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
+    (the timeout, Ctrl-C), or None."""
+    driver = f"{notices.advertised}:{notices.server_address[1]}"
+    ports = launcher.free_ports(len(members))
+    workers = [f"{w.host}:{port}" for w, port in zip(members, ports, strict=True)]
+    group_dir = os.path.join(state_dir, f"group{group}")
+    _say(
+        f"group {group}: {len(members)} process(es): "
+        + ", ".join(f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}" for r, w in enumerate(members))
+    )
+    for rank, w in enumerate(members):
+        w.rank, w.outcome, w.code, w.proc = rank, None, None, None
+        w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
+        env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+        env.update(
+            TF_ADASUM_ELASTIC="1",
+            TF_ADASUM_ELASTIC_GENERATION=str(group),
+            TF_ADASUM_ELASTIC_STATE_FILE=w.state_file,
+            TF_ADASUM_ELASTIC_RESUME_FILE=w.resume_file,
+            TF_ADASUM_ELASTIC_DRIVER=driver,
+        )
+        line = command if w.host in launcher.LOCAL_HOSTS else launcher.remote_command(agent, w.host, command, env)
+        w.proc = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        threading.Thread(target=_forward, args=(w, group, lock), daemon=True).start()
+
+    def kill(w: Worker) -> None:
+        if w.proc.poll() is None:
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    ending_since: float | None = None
+    next_discovery = time.monotonic() + DISCOVERY_SECONDS
+    try:
+        while True:
+            now = time.monotonic()
+            for w in members:
+                if w.outcome is None and w.proc.poll() is not None:
+                    w.code = w.proc.returncode
+                    if w.code == 0:
+                        w.outcome = "done"
+                    elif w.code == RESTART_EXIT_CODE:
+                        w.outcome = "restart"
+                    else:
+                        w.outcome = f"lost: {_describe(w.code)}"
+                    if w.code != 0 and ending_since is None:
+                        ending_since = now
+            if all(w.outcome is not None for w in members):
+                return None
+            if ending_since is not None and now > ending_since + peer_timeout() + launcher.GRACE_SECONDS:
+                for w in members:
+                    if w.outcome is None:
+                        kill(w)
+                        w.proc.wait()
+                        w.code = w.proc.returncode
+                        w.outcome = (
+                            f"lost: hung (no exit {peer_timeout() + launcher.GRACE_SECONDS:.0f} s after its "
+                            "group ended; killed)"
+                        )
+                return None
+            if deadline is not None and now > deadline:
+                for w in members:
+                    kill(w)
+                _say("killed every process after the --timeout")
+                return 124
+            if now > next_discovery and ending_since is None and not notices.notice.get(group):
+                next_discovery = now + DISCOVERY_SECONDS
+                if more_slots(len(members)):
+                    notices.notice[group] = time.time_ns()
+                    _say(f"group {group}: more slots reported; the group grows at its next commit")
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for w in members:
+            kill(w)
+        return 130
+    finally:
+        for w in members:
+            if w.proc is not None:
+                w.proc.wait()
