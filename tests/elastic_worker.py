@@ -14,7 +14,12 @@ when that batch (of any epoch, counted from 0 in the epoch) starts:
     kill     SIGKILL 50 ms into the batch (inside the step)
     stop     SIGSTOP at the batch's start (a hang)
     commit   SIGKILL inside the commit after that batch, after its copy, before the ranks meet
-    exit     exit(3) at the batch's start (a worker's own error)
+    exit     exit(3) at the batch's start, after printing an error line (a worker's own error)
+    grow     write "127.0.0.1:3" to $SLOTS_FILE (the discovery script's answer) at the batch's start
+$SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
+
+    elastic_worker.py OUT_DIR horovod_state   # Horovod's test_elastic_state, on 2 ranks: sync takes
+                                              # rank 0's state, restore and commit as Horovod's
 
 Each process writes OUT/final-rank{r}.npz (the weights) and .json (its group, size, where it resumed),
 and OUT/resumed-group{g}-rank{r}.json when its training function starts.
@@ -27,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -90,14 +96,18 @@ def my_faults(kind: str | None = None) -> dict[int, str]:
 
 
 def at_batch_start(batch: int) -> None:
+    time.sleep(float(os.environ.get("SLOW_BATCH", "0")))
     kind = my_faults().get(batch)
     if kind == "kill":
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "exit":
+        print(f"worker error: rank {tf_adasum.rank()} of group {elastic.generation()} fails at batch {batch}")
         sys.stdout.flush()
         os._exit(3)
+    elif kind == "grow":
+        Path(os.environ["SLOTS_FILE"]).write_text("127.0.0.1:3\n")
 
 
 def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
@@ -128,6 +138,8 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "epoch": int(state.epoch),
         "batch": int(state.batch),
         "commit": state._commits,
+        # Each process's own optimizer state (Adam's moments differ by process under Adasum).
+        "optimizer": [float(np.sum(np.abs(v.numpy()))) for v in state.optimizer.variables],
     }
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(info))
 
@@ -215,9 +227,43 @@ def finish(out: Path, state: elastic.State) -> None:
     record(out, state, "final")
 
 
+def horovod_state(out: Path) -> None:
+    """Horovod 0.28.1's test_elastic_state (test_tensorflow2_keras.py), on tf_adasum.keras."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
+    v = 1.0 if hvd.rank() == 0 else 2.0
+    model1 = keras.Sequential([keras.layers.Dense(2, activation="softmax")])
+    model1.build((2, 2))
+    model1.set_weights([np.array([[v, v], [v, v]], dtype=np.float32), np.array([v, v], dtype=np.float32)])
+    model2 = keras.Sequential([keras.layers.Dense(2, activation="softmax")])
+    model2.build((2, 2))
+    model2.set_weights([np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32), np.array([0.0, 0.0], dtype=np.float32)])
+    optimizer = keras.optimizers.Adam(0.001 * hvd.size())
+    state = hvd.elastic.KerasState(model1, optimizer, batch=20 + hvd.rank(), epoch=10 + hvd.rank())
+    state.sync()
+    model1_weights, model2_weights = model1.get_weights(), model2.get_weights()
+    results = {"synced": all(np.allclose(w, np.ones_like(w)) for w in state.model.get_weights())}
+    results["synced_objects"] = [state.batch, state.epoch]
+    model1.set_weights(model2_weights)
+    state.batch, state.epoch = 21, 11
+    state.restore()
+    results["restored"] = all(np.allclose(a, b) for a, b in zip(model1.get_weights(), model1_weights))
+    results["restored_objects"] = [state.batch, state.epoch]
+    model1.set_weights(model2_weights)
+    state.batch, state.epoch = 21, 11
+    state.commit()
+    state.restore()
+    results["committed"] = all(np.allclose(a, b) for a, b in zip(model1.get_weights(), model2_weights))
+    results["committed_objects"] = [state.batch, state.epoch]
+    (out / f"horovod_state-rank{hvd.rank()}.json").write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
     out_dir, mode = Path(sys.argv[1]), sys.argv[2]
-    if mode == "loop":
+    if mode == "horovod_state":
+        horovod_state(out_dir)
+    elif mode == "loop":
         loop(out_dir)
     else:
         fit(out_dir, mode)

@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 FLOORS: list[list[str]] = [
     # leaves: nothing of tf_adasum
     ["errors", "compression", "variables", "ops", "_quiet", "run", "comm"],
-    # Keras and TensorFlow internals, tensor lists
-    ["_compat", "tensor_lists"],
+    # Keras and TensorFlow internals, tensor lists; the elastic launcher (on the local launcher)
+    ["_compat", "tensor_lists", "elastic_launcher"],
     # the communicator interface, buffers, the contract tree
     ["comm.base", "fusion", "tree"],
     ["comm.mpi", "comm.tf_collective"],
@@ -29,8 +29,8 @@ FLOORS: list[list[str]] = [
     ["across_processes", "engine"],
     # the public collectives
     ["distributed"],
-    # Keras state shared by processes; the one model sync; BatchNorm over processes
-    ["shared_state", "sync", "sync_batch_norm"],
+    # Keras state shared by processes; the one model sync; BatchNorm over processes; elastic state
+    ["shared_state", "sync", "sync_batch_norm", "elastic"],
     # the optimizer wrappers
     ["optimizer"],
     # the entry points: callbacks, the strategy, Horovod's TensorFlow face

@@ -129,6 +129,9 @@ class State:
         # (commit number, snapshot): the last commit, and the one before it.
         self._committed: tuple[int, Any] | None = None
         self._previous: tuple[int, Any] | None = None
+        # Whether the last sync completed, and what it loaded (see sync and _leave).
+        self._synced = True
+        self._loaded: dict[int, Any] = {}
 
     # Horovod's API.
 
@@ -188,8 +191,19 @@ class State:
         Rank 0's Python attributes are broadcast to everyone, as Horovod does.
         """
         comm = engine.init()
+        if launched() and comm.engine != "tf":
+            raise ValueError(
+                f"the elastic launcher runs TensorFlow's collective engine, and this process runs "
+                f"{comm.engine!r} (TF_ADASUM_ENGINE={os.environ.get('TF_ADASUM_ENGINE')!r}): MPI cannot "
+                "start a group again without ending every process (mpirun kills the survivors with the "
+                "lost rank), so elastic jobs do not run on it"
+            )
         commits = _load_resume_file() or {}
         held = sorted(commits)
+        # Until this sync completes, leaving writes what was loaded (a process with nothing loaded writes
+        # nothing): never this process's unsynced start, which would pass for a commit.
+        self._synced = False
+        self._loaded = commits
         every = agreement.gather_objects(comm, held, "elastic state sync") if comm.size > 1 else [held]
         holders = [r for r, h in enumerate(every) if h]
         target = min(every[r][-1] for r in holders) if holders else 0
@@ -207,6 +221,7 @@ class State:
         self._commits = target
         self._previous = None
         self._committed = (target, self._snapshot())
+        self._synced = True
 
     # What a subclass provides.
 
@@ -225,7 +240,10 @@ class State:
     def _leave(self, reason: str) -> None:
         """Writes the last two commits to this process's state file and exits for the next group."""
         path = os.environ.get(ENV_STATE_FILE)
-        kept = dict(commit for commit in (self._previous, self._committed) if commit is not None)
+        if self._synced:
+            kept = dict(commit for commit in (self._previous, self._committed) if commit is not None)
+        else:
+            kept = dict(self._loaded)
         where = "no commit of its own"
         if path and kept:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -277,9 +295,9 @@ class ObjectState(State):
             setattr(self, name, value)
 
     def _take_roots(self, root: int, need: list[bool]) -> None:
-        from tf_adasum.tensorflow import broadcast_object
-
-        for name, value in broadcast_object(self._objects(), root_rank=root).items():
+        comm = engine.init()
+        mine = self._objects() if comm.rank == root else None
+        for name, value in agreement.gather_objects(comm, mine, "elastic state objects")[root].items():
             setattr(self, name, value)
 
 
@@ -359,7 +377,8 @@ class TensorFlowKerasState(TensorFlowState):
 
     def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else model.optimizer
+        _model_and_optimizer_built(model, None)
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         _model_and_optimizer_built(model, self.optimizer)
         super().__init__(variables=[], **kwargs)
 

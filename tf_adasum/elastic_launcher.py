@@ -357,6 +357,7 @@ def _run_group(
                 pass
 
     ending_since: float | None = None
+    last_exit: float | None = None
     next_discovery = time.monotonic() + DISCOVERY_SECONDS
     try:
         while True:
@@ -374,16 +375,19 @@ def _run_group(
                         ending_since = now
             if all(w.outcome is not None for w in members):
                 return None
-            if ending_since is not None and now > ending_since + peer_timeout() + launcher.GRACE_SECONDS:
-                for w in members:
-                    if w.outcome is None:
-                        kill(w)
-                        w.proc.wait()
-                        w.code = w.proc.returncode
-                        w.outcome = (
-                            f"lost: hung (no exit {peer_timeout() + launcher.GRACE_SECONDS:.0f} s after its "
-                            "group ended; killed)"
-                        )
+            # A process still running after the others left is lost: it had GRACE_SECONDS since the
+            # last one exited, or PEER_TIMEOUT + GRACE_SECONDS since the first did.
+            running = [w for w in members if w.outcome is None]
+            if ending_since is not None and len(running) == 1 and last_exit is None:
+                last_exit = now
+            late = ending_since is not None and now > ending_since + peer_timeout() + launcher.GRACE_SECONDS
+            alone = last_exit is not None and now > last_exit + launcher.GRACE_SECONDS
+            if late or alone:
+                for w in running:
+                    kill(w)
+                    w.proc.wait()
+                    w.code = w.proc.returncode
+                    w.outcome = "lost: hung (still running after the rest of its group had left; killed)"
                 return None
             if deadline is not None and now > deadline:
                 for w in members:

@@ -1,0 +1,339 @@
+"""Elastic training: `python -m tf_adasum.run --elastic` with real processes that are killed, stopped,
+fail during a commit, run out, grow and fail too often; and tf_adasum.elastic's state and callbacks.
+
+The multi-process tests run tests/elastic_worker.py (the TF engine: the elastic launcher starts it), each
+bounded by LAUNCH_TIMEOUT, with TF_ADASUM_TIMEOUT_SECONDS short so that a lost peer is noticed soon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from tests.processes import ROOT
+from tf_adasum import elastic
+from tf_adasum.elastic_launcher import RESTART_EXIT_CODE, parse_slots
+
+WORKER = ROOT / "tests" / "elastic_worker.py"
+LAUNCH_TIMEOUT = 240
+PEER_TIMEOUT = "15"
+
+
+def launch(out: Path, mode: str, np_: int, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """Runs the worker elastically; returns (exit code, the launcher's and workers' output, seconds)."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", str(np_), "--timeout", str(LAUNCH_TIMEOUT - 20),
+        "--state-dir", str(out / "state"), *flags, str(WORKER), str(out), mode,
+    ]  # fmt: skip
+    environ = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        TF_ADASUM_TIMEOUT_SECONDS=PEER_TIMEOUT,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        **(env or {}),
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        command, cwd=out, env=environ, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, check=False
+    )
+    log = done.stdout + done.stderr
+    (out / "output.log").write_text(log)
+    return done.returncode, log, time.monotonic() - started
+
+
+def tail(log: str) -> str:
+    lines = [line for line in log.splitlines() if "oneDNN" not in line and "absl::" not in line]
+    return "\n".join(lines[-40:])
+
+
+def read(out: Path, name: str, size: int) -> list[dict]:
+    return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(size)]
+
+
+def weights(out: Path, size: int) -> list[list[np.ndarray]]:
+    loaded = [np.load(out / f"final-rank{r}.npz") for r in range(size)]
+    return [[f[k] for k in sorted(f.files)] for f in loaded]
+
+
+def assert_same_on_every_rank(found: list[list[np.ndarray]]) -> None:
+    for other in found[1:]:
+        for a, b in zip(found[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def committed_optimizer(path: Path, commit: int) -> list[float]:
+    """The optimizer digest (elastic_worker.record's) of a commit in a survivor's state file."""
+    with open(path, "rb") as f:
+        commits = pickle.load(f)
+    return [float(np.sum(np.abs(parts[0]))) for parts in commits[commit]["optimizer"]]
+
+
+# Multi-process tests.
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["strategy", "callback", "loop"])
+def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp_path: Path) -> None:
+    """SIGKILL in rank 2's step: the survivors finish, equal on every rank, equal to a job that resumes
+    from the same commits with the new membership, each with its own optimizer state."""
+    code, log, _ = launch(tmp_path / "elastic", mode, 3, "--min-np", "2", env={"FAULT": "0:2:3:kill"})
+    assert code == 0, tail(log)
+    assert "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL" in log, tail(log)
+    assert "group 1: 2 process(es)" in log and "group 2" not in log, tail(log)
+    final = read(tmp_path / "elastic", "final", 2)
+    assert [(f["group"], f["size"], f["epoch"], f["batch"]) for f in final] == [(1, 2, 2, 0)] * 2
+    found = weights(tmp_path / "elastic", 2)
+    assert_same_on_every_rank(found)
+
+    # Each survivor resumed its own optimizer state from its own commit, and those differ (Adasum after
+    # the optimizer: each process's Adam moments are its own).
+    resumed = read(tmp_path / "elastic", "resumed-group1", 2)
+    assert resumed[0]["commit"] == resumed[1]["commit"] >= 3
+    group0 = tmp_path / "elastic" / "state" / "group0"
+    files = sorted(group0.iterdir())
+    assert [f.name for f in files] == ["rank0-w0.pkl", "rank1-w1.pkl"]
+    own = [committed_optimizer(f, resumed[0]["commit"]) for f in files]
+    assert own[0] != own[1]
+    for r in range(2):
+        np.testing.assert_allclose(resumed[r]["optimizer"], own[r], rtol=1e-6)
+
+    # The same commits, resumed by a new job of two: the same final weights, bit for bit.
+    code, log, _ = launch(tmp_path / "again", mode, 2, "--resume-from", str(group0))
+    assert code == 0, tail(log)
+    assert [r["commit"] for r in read(tmp_path / "again", "resumed-group0", 2)] == [resumed[0]["commit"]] * 2
+    for a, b in zip(found[0], weights(tmp_path / "again", 2)[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.multiprocess
+def test_a_hanging_worker_is_lost_after_the_timeout(tmp_path: Path) -> None:
+    """SIGSTOP: the others' collectives time out (TF_ADASUM_TIMEOUT_SECONDS), they leave, and the
+    launcher kills the stopped process as hung; the job finishes with two."""
+    code, log, seconds = launch(tmp_path, "strategy", 3, "--min-np", "2", env={"FAULT": "0:1:2:stop"})
+    assert code == 0, tail(log)
+    assert "rank 1 (w1@127.0.0.1) lost: hung" in log, tail(log)
+    # The survivors' own error names the hung rank (the runtime's heartbeats, or the collective's timeout).
+    assert re.search(r"PeerError: rank [02]: (lost rank 1 |.*with rank\(s\) \[1\] failed within 15 s)", log), tail(log)
+    assert_same_on_every_rank(weights(tmp_path, 2))
+    assert seconds < 2 * int(PEER_TIMEOUT) + 120
+
+
+@pytest.mark.multiprocess
+def test_a_failure_during_a_commit_resumes_from_the_commit_before(tmp_path: Path) -> None:
+    """Rank 1 dies inside the commit after batch 4 (its copy made, the ranks not yet met): no survivor
+    takes that commit as done, and the job resumes from the one after batch 3."""
+    code, log, _ = launch(tmp_path, "callback", 3, "--min-np", "2", env={"FAULT": "0:1:4:commit"})
+    assert code == 0, tail(log)
+    resumed = read(tmp_path, "resumed-group1", 2)
+    assert [(r["epoch"], r["batch"]) for r in resumed] == [(0, 4)] * 2, tail(log)
+    assert_same_on_every_rank(weights(tmp_path, 2))
+
+
+@pytest.mark.multiprocess
+def test_fewer_than_min_np_workers_end_the_job_naming_the_lost(tmp_path: Path) -> None:
+    code, log, seconds = launch(
+        tmp_path, "strategy", 2, "--min-np", "2", "--elastic-timeout", "3", env={"FAULT": "0:1:2:kill"}
+    )
+    assert code == 1, tail(log)
+    assert "1 worker(s) available, fewer than --min-np 2, after waiting 3 s" in log, tail(log)
+    assert "Lost workers: w1 on 127.0.0.1 (rank 1): lost: killed by SIGKILL" in log, tail(log)
+    # The survivor's last commits stay on disk, whole.
+    (kept,) = (tmp_path / "state" / "group0").iterdir()
+    with open(kept, "rb") as f:
+        commits = pickle.load(f)
+    assert len(commits) == 2 and all("optimizer" in c for c in commits.values())
+    assert seconds < int(PEER_TIMEOUT) + 90
+
+
+@pytest.mark.multiprocess
+def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    slots.write_text("127.0.0.1:2\n")
+    discovery = tmp_path / "discover.sh"
+    discovery.write_text(f"#!/bin/sh\ncat {slots}\n")
+    discovery.chmod(0o755)
+    code, log, _ = launch(
+        tmp_path,
+        "strategy",
+        2,
+        "--max-np",
+        "3",
+        "--host-discovery-script",
+        str(discovery),
+        env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.4"},
+    )
+    assert code == 0, tail(log)
+    assert "more slots reported; the group grows at its next commit" in log, tail(log)
+    assert "group 1: 3 process(es)" in log, tail(log)
+    resumed = read(tmp_path, "resumed-group1", 3)
+    assert len({(r["epoch"], r["batch"], r["commit"]) for r in resumed}) == 1
+    assert resumed[0]["batch"] > 2 or resumed[0]["epoch"] > 0
+    # The new process took rank 0's optimizer state; the survivors kept their own.
+    assert resumed[2]["optimizer"] == resumed[0]["optimizer"] != resumed[1]["optimizer"]
+    final = read(tmp_path, "final", 3)
+    assert {(f["group"], f["size"], f["epoch"]) for f in final} == {(1, 3, 2)}
+    assert_same_on_every_rank(weights(tmp_path, 3))
+
+
+@pytest.mark.multiprocess
+def test_too_many_resets_end_the_job_with_the_last_workers_error(tmp_path: Path) -> None:
+    code, log, _ = launch(
+        tmp_path, "strategy", 3, "--min-np", "1", "--reset-limit", "1", env={"FAULT": "0:2:2:exit,1:1:2:exit"}
+    )
+    assert code == 3, tail(log)
+    assert "more than --reset-limit 1 resets; the last lost worker was w1 on 127.0.0.1: lost: exited with 3" in log
+    assert "worker error: rank 1 of group 1 fails at batch 2" in log
+
+
+@pytest.mark.multiprocess
+def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
+    """Horovod's test_elastic_state with the import changed, under the plain launcher (one group)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--timeout", "120", str(WORKER), str(tmp_path), "horovod_state"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, tail(done.stdout + done.stderr)
+    for result in read(tmp_path, "horovod_state", 2):
+        assert result == {
+            "synced": True,
+            "synced_objects": [20, 10],
+            "restored": True,
+            "restored_objects": [20, 10],
+            "committed": True,
+            "committed_objects": [21, 11],
+        }
+
+
+# In one process.
+
+
+def test_parse_slots() -> None:
+    assert parse_slots("a:2\nb\n\n# note\na:1\n") == {"a": 3, "b": 1}
+    with pytest.raises(ValueError, match="expected host:slots lines, got 'a:x'"):
+        parse_slots("a:x")
+
+
+def test_elastic_flags_need_elastic() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--min-np", "1", "x.py"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--min-np only go with --elastic" in done.stderr
+
+
+def test_restart_exit_code_is_not_a_common_one() -> None:
+    assert RESTART_EXIT_CODE not in (0, 1, 2, 124, 130, 137)
+
+
+def _model() -> keras.Model:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([np.full((3, 2), 0.1, np.float32), np.zeros(2, np.float32)])
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    return model
+
+
+def test_state_commit_restore_and_the_optimizer_in_one_process() -> None:
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, batch=0)  # builds the optimizer
+    assert model.optimizer.built
+    x = np.ones((4, 3), np.float32)
+    model.fit(x, np.zeros((4, 2), np.float32), verbose=0)
+    state.batch = 1
+    state.commit()
+    at_commit = [v.numpy().copy() for v in model.optimizer.variables]
+    weights_at_commit = model.get_weights()
+    model.fit(x, np.zeros((4, 2), np.float32), verbose=0)
+    state.batch = 2
+    state.restore()
+    assert state.batch == 1
+    for v, saved in zip(model.optimizer.variables, at_commit, strict=True):
+        np.testing.assert_array_equal(v.numpy(), saved)
+    for a, b in zip(model.get_weights(), weights_at_commit, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_run_wrapper_outside_the_launcher_raises_a_lost_peer() -> None:
+    state = elastic.ObjectState(epoch=0)
+
+    @elastic.run
+    def train(state: elastic.State) -> None:
+        raise elastic.PeerError("rank 0: lost rank 1")
+
+    with pytest.raises(elastic.PeerError, match="lost rank 1"):
+        train(state)
+
+
+def test_a_resumed_fit_skips_the_batches_done() -> None:
+    """state.batch = 3: the fit trains on batches 3.. of the epoch only, as a fit of those rows does."""
+    x = np.random.default_rng(0).standard_normal((32, 3)).astype(np.float32)
+    y = np.random.default_rng(1).standard_normal((32, 2)).astype(np.float32)
+    resumed = _model()
+    state = elastic.KerasState(resumed, epoch=0, batch=3)
+    seen = []
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            seen.append(batch)
+
+    resumed.fit(
+        x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+        callbacks=[elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state), Batches()],
+    )  # fmt: skip
+    assert (state.epoch, state.batch) == (2, 0)
+    assert seen == list(range(8)) * 2  # Keras's numbering stays the epoch's
+    reference = _model()
+    elastic.KerasState(reference)
+    reference.fit(x[12:], y[12:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(resumed.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_the_epoch_callback_counts_from_initial_epoch_or_from_zero() -> None:
+    x, y = np.zeros((4, 3), np.float32), np.zeros((4, 2), np.float32)
+    for initial in (True, False):
+        model = _model()
+        state = elastic.KerasState(model, epoch=3, batch=0)
+        callback = elastic.UpdateEpochStateCallback(state)
+        if initial:  # fit(initial_epoch=state.epoch, epochs=5)
+            model.fit(x, y, epochs=5, initial_epoch=state.epoch, verbose=0, callbacks=[callback])
+        else:  # Horovod's fit(epochs=5 - state.epoch)
+            model.fit(x, y, epochs=5 - state.epoch, verbose=0, callbacks=[callback])
+        assert state.epoch == 5
+
+
+def test_commit_callback_commits_every_k_batches_and_at_epoch_end() -> None:
+    model = _model()
+    state = elastic.KerasState(model, epoch=0, batch=0)
+    commits = []
+    original = state.commit
+    state.commit = lambda: (commits.append("c"), original())  # type: ignore[method-assign]
+    x, y = np.zeros((28, 3), np.float32), np.zeros((28, 2), np.float32)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[elastic.CommitStateCallback(state, 3)])
+    assert commits.count("c") == 7 // 3 + 1
+    with pytest.raises(ValueError, match="batches_per_commit must be at least 1, got 0"):
+        elastic.CommitStateCallback(state, 0)
+
+
+def test_horovods_names_are_tf_adasums() -> None:
+    import tf_adasum.keras as hvd_keras
+    import tf_adasum.tensorflow as hvd_tf
+
+    for hvd in (hvd_keras, hvd_tf):
+        for name in (
+            "run", "State", "ObjectState", "TensorFlowKerasState", "TensorFlowState", "KerasState",
+            "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+        ):  # fmt: skip
+            assert getattr(hvd.elastic, name) is getattr(elastic, name)
