@@ -76,7 +76,7 @@ def model_in(scope: tf.distribute.Strategy | None) -> keras.Model:
     return model
 
 
-class _nothing:  # noqa: N801
+class _nothing:
     def __enter__(self) -> None:
         return None
 
@@ -197,7 +197,8 @@ def loop(out: Path) -> None:
     def step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb) - yb))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     opt.build(model.trainable_variables)
@@ -238,7 +239,9 @@ def horovod_state(out: Path) -> None:
     model1.set_weights([np.array([[v, v], [v, v]], dtype=np.float32), np.array([v, v], dtype=np.float32)])
     model2 = keras.Sequential([keras.layers.Dense(2, activation="softmax")])
     model2.build((2, 2))
-    model2.set_weights([np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32), np.array([0.0, 0.0], dtype=np.float32)])
+    model2.set_weights(
+        [np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32), np.array([0.0, 0.0], dtype=np.float32)]
+    )
     optimizer = keras.optimizers.Adam(0.001 * hvd.size())
     state = hvd.elastic.KerasState(model1, optimizer, batch=20 + hvd.rank(), epoch=10 + hvd.rank())
     state.sync()
@@ -248,13 +251,17 @@ def horovod_state(out: Path) -> None:
     model1.set_weights(model2_weights)
     state.batch, state.epoch = 21, 11
     state.restore()
-    results["restored"] = all(np.allclose(a, b) for a, b in zip(model1.get_weights(), model1_weights))
+    results["restored"] = all(
+        np.allclose(a, b) for a, b in zip(model1.get_weights(), model1_weights, strict=True)
+    )
     results["restored_objects"] = [state.batch, state.epoch]
     model1.set_weights(model2_weights)
     state.batch, state.epoch = 21, 11
     state.commit()
     state.restore()
-    results["committed"] = all(np.allclose(a, b) for a, b in zip(model1.get_weights(), model2_weights))
+    results["committed"] = all(
+        np.allclose(a, b) for a, b in zip(model1.get_weights(), model2_weights, strict=True)
+    )
     results["committed_objects"] = [state.batch, state.epoch]
     (out / f"horovod_state-rank{hvd.rank()}.json").write_text(json.dumps(results))
 

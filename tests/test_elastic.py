@@ -29,11 +29,14 @@ LAUNCH_TIMEOUT = 240
 PEER_TIMEOUT = "15"
 
 
-def launch(out: Path, mode: str, np_: int, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
+def launch(
+    out: Path, mode: str, np_: int, *flags: str, env: dict[str, str] | None = None
+) -> tuple[int, str, float]:
     """Runs the worker elastically; returns (exit code, the launcher's and workers' output, seconds)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", str(np_), "--timeout", str(LAUNCH_TIMEOUT - 20),
+        sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", str(np_),
+        "--timeout", str(LAUNCH_TIMEOUT - 20),
         "--state-dir", str(out / "state"), *flags, str(WORKER), str(out), mode,
     ]  # fmt: skip
     environ = dict(
@@ -124,7 +127,9 @@ def test_a_hanging_worker_is_lost_after_the_timeout(tmp_path: Path) -> None:
     assert code == 0, tail(log)
     assert "rank 1 (w1@127.0.0.1) lost: hung" in log, tail(log)
     # The survivors' own error names the hung rank (the runtime's heartbeats, or the collective's timeout).
-    assert re.search(r"PeerError: rank [02]: (lost rank 1 |.*with rank\(s\) \[1\] failed within 15 s)", log), tail(log)
+    assert re.search(
+        r"PeerError: rank [02]: (lost rank 1 |.*with rank\(s\) \[1\] failed within 15 s)", log
+    ), tail(log)
     assert_same_on_every_rank(weights(tmp_path, 2))
     assert seconds < 2 * int(PEER_TIMEOUT) + 120
 
@@ -192,7 +197,10 @@ def test_too_many_resets_end_the_job_with_the_last_workers_error(tmp_path: Path)
         tmp_path, "strategy", 3, "--min-np", "1", "--reset-limit", "1", env={"FAULT": "0:2:2:exit,1:1:2:exit"}
     )
     assert code == 3, tail(log)
-    assert "more than --reset-limit 1 resets; the last lost worker was w1 on 127.0.0.1: lost: exited with 3" in log
+    assert (
+        "more than --reset-limit 1 resets; the last lost worker was w1 on 127.0.0.1: lost: exited with 3"
+        in log
+    )
     assert "worker error: rank 1 of group 1 fails at batch 2" in log
 
 
@@ -200,7 +208,8 @@ def test_too_many_resets_end_the_job_with_the_last_workers_error(tmp_path: Path)
 def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
     """Horovod's test_elastic_state with the import changed, under the plain launcher (one group)."""
     done = subprocess.run(
-        [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--timeout", "120", str(WORKER), str(tmp_path), "horovod_state"],
+        [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--timeout", "120",
+         str(WORKER), str(tmp_path), "horovod_state"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3"),
         capture_output=True, text=True, timeout=150, check=False,
     )  # fmt: skip
@@ -289,7 +298,9 @@ def test_a_resumed_fit_skips_the_batches_done() -> None:
 
     resumed.fit(
         x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
-        callbacks=[elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state), Batches()],
+        callbacks=[
+            elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state), Batches()
+        ],
     )  # fmt: skip
     assert (state.epoch, state.batch) == (2, 0)
     assert seen == list(range(8)) * 2  # Keras's numbering stays the epoch's

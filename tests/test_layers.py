@@ -17,11 +17,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 
 FLOORS: list[list[str]] = [
     # leaves: nothing of tf_adasum
-    ["errors", "compression", "variables", "ops", "_quiet", "run", "comm"],
-    # Keras and TensorFlow internals, tensor lists; the elastic launcher (on the local launcher)
+    ["errors", "compression", "variables", "ops", "_quiet", "hosts", "comm"],
+    # Keras and TensorFlow internals, tensor lists; the elastic launcher
     ["_compat", "tensor_lists", "elastic_launcher"],
-    # the communicator interface, buffers, the contract tree
-    ["comm.base", "fusion", "tree"],
+    # the communicator interface, buffers, the contract tree; the launcher (its elastic mode below it)
+    ["comm.base", "fusion", "tree", "run"],
     ["comm.mpi", "comm.tf_collective"],
     # what ranks check before data moves; the algorithms on one buffer
     ["agreement", "vhdd"],

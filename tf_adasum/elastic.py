@@ -1,4 +1,4 @@
-"""Elastic training: Horovod's elastic API (`hvd.elastic`), on restarts by `python -m tf_adasum.run --elastic`.
+"""Elastic training: Horovod's elastic API (`hvd.elastic`), on the restarts of `tf_adasum.run --elastic`.
 
 Neither TensorFlow's collective runtime nor MPI can shrink or grow a running group, so a membership
 change ends the group and the launcher starts a new one (torchrun's design):
@@ -354,7 +354,9 @@ class TensorFlowState(ObjectState):
         variables = [v for _, vs in self._own_variables() for v in vs]
         if not variables:
             return
-        roots = distributed.broadcast([tf.convert_to_tensor(replica_values(v)[0]) for v in variables], root=root)
+        roots = distributed.broadcast(
+            [tf.convert_to_tensor(replica_values(v)[0]) for v in variables], root=root
+        )
         if need[engine.rank()]:
             for variable, value in zip(variables, roots, strict=True):
                 for replica in replica_values(variable):
@@ -363,7 +365,9 @@ class TensorFlowState(ObjectState):
 
 def _model_and_optimizer_built(model: keras.Model, optimizer: Any) -> None:
     if not model.built:
-        raise ValueError("elastic state: the model must be built first (call it, or model.build(input_shape))")
+        raise ValueError(
+            "elastic state: the model must be built first (call it, or model.build(input_shape))"
+        )
     if optimizer is not None and not optimizer.built:
         strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         with strategy.scope():
@@ -439,7 +443,9 @@ class CommitStateCallback(keras.callbacks.Callback):
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
         super().__init__()
         if batches_per_commit < 1:
-            raise ValueError(f"CommitStateCallback: batches_per_commit must be at least 1, got {batches_per_commit}")
+            raise ValueError(
+                f"CommitStateCallback: batches_per_commit must be at least 1, got {batches_per_commit}"
+            )
         self.state = state
         self.batches_per_commit = batches_per_commit
         self._remaining = batches_per_commit
@@ -468,7 +474,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
     def __init__(self, state: State) -> None:
         super().__init__()
-        self.state = state
+        self.state: Any = state  # an ObjectState with a `batch` attribute
         self._resume_at = 0
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -495,7 +501,7 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def __init__(self, state: State) -> None:
         super().__init__()
-        self.state = state
+        self.state: Any = state  # an ObjectState with an `epoch` attribute
         self._offset: int | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:

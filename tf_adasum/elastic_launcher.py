@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tf_adasum import run as launcher
+from tf_adasum import hosts as launcher
 
 # A survivor's exit: "start me again in the next group" (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
@@ -119,7 +119,7 @@ class _Notices(http.server.ThreadingHTTPServer):
 
 
 class _NoticeHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         group = self.path.rpartition("generation=")[2]
         value = self.server.notice.get(int(group), 0) if group.isdigit() else 0  # type: ignore[attr-defined]
         body = str(value).encode()
@@ -250,7 +250,9 @@ def elastic_launch(
                 if len(members) >= min_np:
                     break
                 if time.monotonic() > wait_until:
-                    gone = "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
+                    gone = (
+                        "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
+                    )
                     raise ElasticError(
                         f"{len(members)} worker(s) available, fewer than --min-np {min_np}, after waiting "
                         f"{elastic_timeout:.0f} s for slots. Lost workers: {gone}. The last commits are in "
@@ -283,9 +285,13 @@ def elastic_launch(
             resets += 1
             if reset_limit is not None and resets > reset_limit:
                 last = ended[-1] if ended else (lost[-1] if lost else None)
-                why = f"{last.id} on {last.host}: {last.outcome}; its last output: {_last_error(last)}" if last else ""
+                why = (
+                    f"{last.id} on {last.host}: {last.outcome}; its last output: {_last_error(last)}"
+                    if last
+                    else ""
+                )
                 _say(f"more than --reset-limit {reset_limit} resets; the last lost worker was {why}")
-                return (last.code if last and last.code and last.code > 0 else 1)
+                return last.code if last and last.code and last.code > 0 else 1
             group += 1
     except ElasticError as error:
         _say(str(error))
@@ -297,7 +303,9 @@ def elastic_launch(
 
 
 def _last_group_dir(state_dir: str, group: int) -> str:
-    return os.path.join(state_dir, f"group{max(group - 1, 0)}") if group else os.path.join(state_dir, "group0")
+    return (
+        os.path.join(state_dir, f"group{max(group - 1, 0)}") if group else os.path.join(state_dir, "group0")
+    )
 
 
 def _last_error(worker: Worker) -> str:
@@ -331,13 +339,17 @@ def _run_group(
     group_dir = os.path.join(state_dir, f"group{group}")
     _say(
         f"group {group}: {len(members)} process(es): "
-        + ", ".join(f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}" for r, w in enumerate(members))
+        + ", ".join(
+            f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}" for r, w in enumerate(members)
+        )
     )
     for rank, w in enumerate(members):
         w.rank, w.outcome, w.code, w.proc = rank, None, None, None
         w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
         env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
-        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+        )
         env.update(
             TF_ADASUM_ELASTIC="1",
             TF_ADASUM_ELASTIC_GENERATION=str(group),
@@ -345,8 +357,14 @@ def _run_group(
             TF_ADASUM_ELASTIC_RESUME_FILE=w.resume_file,
             TF_ADASUM_ELASTIC_DRIVER=driver,
         )
-        line = command if w.host in launcher.LOCAL_HOSTS else launcher.remote_command(agent, w.host, command, env)
-        w.proc = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        line = (
+            command
+            if w.host in launcher.LOCAL_HOSTS
+            else launcher.remote_command(agent, w.host, command, env)
+        )
+        w.proc = subprocess.Popen(
+            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         threading.Thread(target=_forward, args=(w, group, lock), daemon=True).start()
 
     def kill(w: Worker) -> None:

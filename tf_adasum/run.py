@@ -21,31 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-# How long the others may take to notice a failed process and end with their own error.
-GRACE_SECONDS = 10.0
-LOCAL_HOSTS = ("localhost", "127.0.0.1")
-DEFAULT_AGENT = "ssh -o BatchMode=yes"
-# Not forwarded to other hosts: what belongs to this shell or this host.
-_NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "LS_COLORS", "MAIL")
-_NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_")
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from tf_adasum.hosts import (
+    DEFAULT_AGENT,
+    GRACE_SECONDS,
+    LOCAL_HOSTS,
+    free_ports,
+    parse_hosts,
+    remote_command,
+)
 
 
 def _forward(rank: int, stream: object, lock: threading.Lock) -> None:
@@ -53,36 +42,6 @@ def _forward(rank: int, stream: object, lock: threading.Lock) -> None:
         with lock:
             sys.stdout.buffer.write(f"[{rank}] ".encode() + line)
             sys.stdout.buffer.flush()
-
-
-def parse_hosts(hosts: str, np: int) -> list[str]:
-    """Each rank's host from horovodrun's `-H host:slots,host:slots` (slots default 1), filled in order.
-
-    Raises:
-        ValueError: a malformed entry, or fewer slots than np.
-    """
-    placed: list[str] = []
-    for entry in hosts.split(","):
-        host, _, slots = entry.strip().rpartition(":") if ":" in entry else (entry.strip(), "", "1")
-        if not host or not slots.isdigit() or int(slots) < 1:
-            raise ValueError(f"-H {hosts!r}: expected host:slots entries such as 10.0.0.1:2, got {entry!r}")
-        placed += [host] * int(slots)
-    if len(placed) < np:
-        raise ValueError(f"-H {hosts!r} has {len(placed)} slots for -np {np}")
-    return placed[:np]
-
-
-def remote_command(agent: str, host: str, command: list[str], env: dict[str, str]) -> list[str]:
-    """`command` run on `host` through the agent, in this directory, with `env` (as ssh passes it: one
-    string for the remote shell)."""
-    forwarded = {
-        k: v
-        for k, v in env.items()
-        if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES) and "\n" not in v
-    }
-    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forwarded.items()))
-    line = f"cd {shlex.quote(os.getcwd())} && exec env {assignments} {shlex.join(command)}"
-    return [*shlex.split(agent), host, line]
 
 
 def launch(
@@ -173,16 +132,22 @@ def main() -> None:
         "elastic training (see tf_adasum/elastic_launcher.py and the README's Elastic training)"
     )
     elastic.add_argument("--elastic", action="store_true", help="go on when workers are lost or added")
-    elastic.add_argument("--min-np", type=int, default=None, help="the fewest workers to go on with (default -np)")
+    elastic.add_argument(
+        "--min-np", type=int, default=None, help="the fewest workers to go on with (default -np)"
+    )
     elastic.add_argument("--max-np", type=int, default=None, help="the most workers (default -np)")
     elastic.add_argument(
-        "--host-discovery-script", default=None, help="prints the available host:slots lines; run every second"
+        "--host-discovery-script",
+        default=None,
+        help="prints the available host:slots lines; run every second",
     )
     elastic.add_argument("--reset-limit", type=int, default=None, help="the most resets (default: no limit)")
     elastic.add_argument(
         "--elastic-timeout", type=float, default=600.0, help="seconds to wait for --min-np slots (600)"
     )
-    elastic.add_argument("--state-dir", default=None, help="where processes leave their commits for the next group")
+    elastic.add_argument(
+        "--state-dir", default=None, help="where processes leave their commits for the next group"
+    )
     elastic.add_argument("--resume-from", default=None, help="a group directory of STATE_DIR to resume from")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
