@@ -181,7 +181,7 @@ class State:
     def restore(self) -> None:
         """Undoes every change since the last commit."""
         if self._committed is not None:
-            self._apply(self._committed[1], own=True)
+            self._apply(self._committed[1])
 
     def sync(self) -> None:
         """Brings every process of a new group to one commit (collective).
@@ -214,7 +214,7 @@ class State:
                 f"no longer hold it (they hold {[every[r] for r in missing]})"
             )
         if commits:
-            self._apply(commits[target], own=True)
+            self._apply(commits[target])
         if comm.size > 1:
             root = holders[0] if holders else 0
             self._take_roots(root, need=[not h for h in every])
@@ -228,7 +228,7 @@ class State:
     def _snapshot(self) -> Any:
         raise NotImplementedError
 
-    def _apply(self, snapshot: Any, own: bool) -> None:
+    def _apply(self, snapshot: Any) -> None:
         raise NotImplementedError
 
     def _take_roots(self, root: int, need: list[bool]) -> None:
@@ -290,7 +290,7 @@ class ObjectState(State):
     def _snapshot(self) -> Any:
         return {"objects": self._objects()}
 
-    def _apply(self, snapshot: Any, own: bool) -> None:
+    def _apply(self, snapshot: Any) -> None:
         for name, value in snapshot["objects"].items():
             setattr(self, name, value)
 
@@ -342,8 +342,8 @@ class TensorFlowState(ObjectState):
             snapshot[key] = _values(variables)
         return snapshot
 
-    def _apply(self, snapshot: Any, own: bool) -> None:
-        super()._apply(snapshot, own)
+    def _apply(self, snapshot: Any) -> None:
+        super()._apply(snapshot)
         for key, variables in self._own_variables():
             _assign(variables, snapshot[key], key)
 
