@@ -15,7 +15,8 @@ when that batch (of any epoch, counted from 0 in the epoch) starts:
     stop     SIGSTOP at the batch's start (a hang)
     commit   SIGKILL inside the commit after that batch, after its copy, before the ranks meet
     exit     exit(3) at the batch's start, after printing an error line (a worker's own error)
-    grow     write "127.0.0.1:3" to $SLOTS_FILE (the discovery script's answer) at the batch's start
+    grow     write $GROW_TO (default "127.0.0.1:3") to $SLOTS_FILE, the discovery script's answer, at the
+             batch's start
 $SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
 
     elastic_worker.py OUT_DIR horovod_state   # Horovod's test_elastic_state, on 2 ranks: sync takes
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -107,7 +109,7 @@ def at_batch_start(batch: int) -> None:
         sys.stdout.flush()
         os._exit(3)
     elif kind == "grow":
-        Path(os.environ["SLOTS_FILE"]).write_text("127.0.0.1:3\n")
+        Path(os.environ["SLOTS_FILE"]).write_text(os.environ.get("GROW_TO", "127.0.0.1:3").replace(",", "\n"))
 
 
 def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
@@ -138,6 +140,7 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "epoch": int(state.epoch),
         "batch": int(state.batch),
         "commit": state._commits,
+        "host": socket.gethostname(),
         # Each process's own optimizer state (Adam's moments differ by process under Adasum).
         "optimizer": [float(np.sum(np.abs(v.numpy()))) for v in state.optimizer.variables],
     }

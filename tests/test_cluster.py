@@ -230,3 +230,52 @@ def test_without_root_the_cluster_says_why_and_the_tests_skip() -> None:
         )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 skipped" in done.stdout and "making network namespaces needs root" in done.stdout, done.stdout
+
+
+def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path) -> None:
+    """`tf_adasum.run --elastic` on host 0 of three: the discovery script lists two hosts, then rank 0
+    adds the third (the job grows onto it at the next commit), then the third host's worker is killed
+    (the job goes on with the first two). Remote workers start through the agent; each writes its
+    commits on its own host."""
+    require_cluster()
+    from tests.test_elastic import WORKER as ELASTIC_WORKER
+    from tests.test_elastic import assert_same_on_every_rank, read, weights
+
+    with cluster.Cluster(hosts=3, name="tfae", rate="1gbit") as hosts:
+        a = hosts.addresses
+        slots = tmp_path / "slots"
+        slots.write_text(f"{a[0]}:1\n{a[1]}:1\n")
+        discovery = tmp_path / "discover.sh"
+        discovery.write_text(f"#!/bin/sh\ncat {slots}\n")
+        discovery.chmod(0o755)
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(processes.ROOT),
+            TF_CPP_MIN_LOG_LEVEL="3",
+            TF_ADASUM_TIMEOUT_SECONDS="15",
+            TF_ADASUM_CLUSTER=hosts.name,
+            FAULT="0:0:2:grow,1:2:3:kill",
+            SLOTS_FILE=str(slots),
+            GROW_TO=f"{a[0]}:1,{a[1]}:1,{a[2]}:1",
+            SLOW_BATCH="0.4",
+        )
+        command = hosts.command(
+            0,
+            [
+                sys.executable, "-m", "tf_adasum.run", "--elastic",
+                "-np", "2", "--min-np", "2", "--max-np", "3",
+                "--host-discovery-script", str(discovery), "--agent", processes.AGENT, "--timeout", "220",
+                "--state-dir", str(tmp_path / "state"), ELASTIC_WORKER, str(tmp_path), "strategy",
+            ],
+        )  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
+    log = done.stdout + done.stderr
+    (tmp_path / "output.log").write_text(log)
+    assert done.returncode == 0, log[-6000:]
+    assert "group 1: 3 process(es)" in log and "group 2: 2 process(es)" in log, log[-6000:]
+    assert f"rank 2 (w2@{a[2]}) lost: killed by SIGKILL" in log, log[-6000:]
+    grown = read(tmp_path, "resumed-group1", 3)
+    assert [r["host"] for r in grown] == hosts.hostnames, grown
+    final = read(tmp_path, "final", 2)
+    assert [(f["group"], f["size"], f["host"]) for f in final] == [(2, 2, h) for h in hosts.hostnames[:2]]
+    assert_same_on_every_rank(weights(tmp_path, 2))
