@@ -17,6 +17,8 @@ when that batch (of any epoch, counted from 0 in the epoch) starts:
     exit     exit(3) at the batch's start, after printing an error line (a worker's own error)
     grow     write $GROW_TO (default "127.0.0.1:3") to $SLOTS_FILE, the discovery script's answer, at the
              batch's start
+    start    exit(3) as the process starts (the batch is ignored)
+$PRELUDE=1 makes one all-reduce before the training function, as Horovod's examples do (a one-step fit).
 $SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
 
     elastic_worker.py OUT_DIR horovod_state   # Horovod's test_elastic_state, on 2 ranks: sync takes
@@ -147,8 +149,18 @@ def record(out: Path, state: elastic.State, name: str) -> None:
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(info))
 
 
+def prelude() -> None:
+    if "start" in my_faults().values():
+        print(f"worker error: rank {tf_adasum.rank()} of group {elastic.generation()} fails as it starts")
+        sys.stdout.flush()
+        os._exit(3)
+    if os.environ.get("PRELUDE") == "1":
+        tf_adasum.allreduce(tf.ones([4]), op=tf_adasum.Sum)
+
+
 def fit(out: Path, mode: str) -> None:
     comm = tf_adasum.init()
+    prelude()
     x, y = data()
     if mode == "strategy":
         strategy = tf_adasum.AdasumStrategy()

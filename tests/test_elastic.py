@@ -146,6 +146,20 @@ def test_a_failure_during_a_commit_resumes_from_the_commit_before(tmp_path: Path
 
 
 @pytest.mark.multiprocess
+def test_a_peer_lost_before_the_training_function_keeps_the_commits(tmp_path: Path) -> None:
+    """Group 1's rank 1 fails as it starts; rank 0 loses it in the script's own first collective, before
+    `run`: it still passes its commits on, and group 2 resumes from them, not from the start."""
+    code, log, _ = launch(
+        tmp_path, "strategy", 3, "--min-np", "1", env={"FAULT": "0:1:3:kill,1:1:0:start", "PRELUDE": "1"}
+    )
+    assert code == 0, tail(log)
+    assert "lost a peer before its training started" in log, tail(log)
+    assert "group 2: 1 process(es): rank 0 w0@127.0.0.1 (resumes)" in log, tail(log)
+    (group2,) = read(tmp_path, "resumed-group2", 1)
+    assert group2["commit"] >= 3 and (group2["epoch"], group2["batch"]) != (0, 0), group2
+
+
+@pytest.mark.multiprocess
 def test_fewer_than_min_np_workers_end_the_job_naming_the_lost(tmp_path: Path) -> None:
     code, log, seconds = launch(
         tmp_path, "strategy", 2, "--min-np", "2", "--elastic-timeout", "3", env={"FAULT": "0:1:2:kill"}

@@ -111,3 +111,10 @@ if not _the_launcher_alone():
     # `python -m tf_adasum.run` started for the TF engine starts it here.
     if launched_for_the_tf_engine():
         init()
+
+    # Under `tf_adasum.run --elastic`, a peer lost before the training function (a collective in the
+    # script's own start) still passes this process's commits on to the next group.
+    from tf_adasum import elastic
+
+    if elastic.launched():
+        elastic.install_excepthook()

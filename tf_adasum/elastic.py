@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
@@ -260,6 +261,34 @@ class State:
         sys.stderr.flush()
         # Not sys.exit: the collective runtime's threads may still wait on the lost peer.
         os._exit(RESTART_EXIT_CODE)
+
+
+def install_excepthook() -> None:
+    """Under the elastic launcher: an uncaught lost-peer error outside `run` (in the script's start,
+    before the sync) passes the commits this process resumed from on to the next group, and leaves for
+    it; any other error is reported as usual."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if not isinstance(error, Exception) or not _lost_peer(error):
+            previous(kind, error, traceback)
+            return
+        resume, path = os.environ.get(ENV_RESUME_FILE), os.environ.get(ENV_STATE_FILE)
+        where = "no commit of its own"
+        if resume and path and os.path.exists(resume):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            shutil.copyfile(resume, f"{path}.partial")
+            os.replace(f"{path}.partial", path)
+            where = f"its commits from {resume} in {path}"
+        sys.stderr.write(
+            f"tf_adasum.elastic: a process of group {generation()} lost a peer before its training "
+            f"started ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"it leaves for the next group with {where}\n"
+        )
+        sys.stderr.flush()
+        os._exit(RESTART_EXIT_CODE)
+
+    sys.excepthook = hook
 
 
 def _load_resume_file() -> dict[int, Any] | None:
