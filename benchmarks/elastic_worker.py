@@ -171,7 +171,7 @@ def train(args: argparse.Namespace) -> None:
     def fit(state: Any) -> None:
         lr_after_sync = float(np.asarray(model.optimizer.learning_rate))
         event("synced", step=int(state.step), epoch=int(state.epoch), batch=int(state.batch), lr=lr_after_sync)
-        if args.lr_rule == "size" and abs(lr_after_sync - args.lr * hvd.size()) > 1e-9:
+        if args.lr_rule == "size" and abs(lr_after_sync - args.lr * hvd.size()) > 1e-6 * args.lr * hvd.size():
             # The sync restored the committed learning rate over the reset callback's (see the README):
             # set it again here, where Horovod's recipe would have it already.
             model.optimizer.learning_rate = args.lr * hvd.size()

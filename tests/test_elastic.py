@@ -190,7 +190,7 @@ def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> N
         "3",
         "--host-discovery-script",
         str(discovery),
-        env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.4"},
+        env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.6"},
     )
     assert code == 0, tail(log)
     assert "more slots reported; the group grows at its next commit" in log, tail(log)
