@@ -18,6 +18,7 @@ when that batch (of any epoch, counted from 0 in the epoch) starts:
     grow     write $GROW_TO (default "127.0.0.1:3") to $SLOTS_FILE, the discovery script's answer, at the
              batch's start
     start    exit(3) as the process starts (the batch is ignored)
+$RESET_LR=X registers a reset callback that sets the learning rate to X * size() (fit modes).
 $PRELUDE=1 makes one all-reduce before the training function, as Horovod's examples do (a one-step fit).
 $SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
 
@@ -143,6 +144,7 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "batch": int(state.batch),
         "commit": state._commits,
         "host": socket.gethostname(),
+        "learning_rate": float(keras.ops.convert_to_numpy(state.optimizer.learning_rate)),
         # Each process's own optimizer state (Adam's moments differ by process under Adasum).
         "optimizer": [float(np.sum(np.abs(v.numpy()))) for v in state.optimizer.variables],
     }
@@ -175,6 +177,11 @@ def fit(out: Path, mode: str) -> None:
         batch, extra = len(fit_x) // (ROWS // GLOBAL_BATCH), [tf_adasum.AdasumCallback()]
     state = elastic.KerasState(model, epoch=0, batch=0)
     kill_in_commit(state, lambda: state.batch - 1)
+    if os.environ.get("RESET_LR"):  # Horovod's rule for an average, in a reset callback
+        rule = float(os.environ["RESET_LR"])
+        state.register_reset_callbacks(
+            [lambda: state.optimizer.learning_rate.assign(rule * tf_adasum.size())]
+        )
 
     @elastic.run
     def train(state: elastic.State) -> None:

@@ -138,10 +138,15 @@ def test_a_hanging_worker_is_lost_after_the_timeout(tmp_path: Path) -> None:
 def test_a_failure_during_a_commit_resumes_from_the_commit_before(tmp_path: Path) -> None:
     """Rank 1 dies inside the commit after batch 4 (its copy made, the ranks not yet met): no survivor
     takes that commit as done, and the job resumes from the one after batch 3."""
-    code, log, _ = launch(tmp_path, "callback", 3, "--min-np", "2", env={"FAULT": "0:1:4:commit"})
+    code, log, _ = launch(
+        tmp_path, "callback", 3, "--min-np", "2", env={"FAULT": "0:1:4:commit", "RESET_LR": "0.01"}
+    )
     assert code == 0, tail(log)
     resumed = read(tmp_path, "resumed-group1", 2)
     assert [(r["epoch"], r["batch"]) for r in resumed] == [(0, 4)] * 2, tail(log)
+    # A reset callback's learning rate holds (Keras keeps it among the optimizer's variables, which the
+    # resume loads): 0.01 x 2 processes, where the commit holds the first group's 0.05.
+    assert [r["learning_rate"] for r in resumed] == [pytest.approx(0.02)] * 2
     assert_same_on_every_rank(weights(tmp_path, 2))
 
 
@@ -157,6 +162,17 @@ def test_a_peer_lost_before_the_training_function_keeps_the_commits(tmp_path: Pa
     assert "group 2: 1 process(es): rank 0 w0@127.0.0.1 (resumes)" in log, tail(log)
     (group2,) = read(tmp_path, "resumed-group2", 1)
     assert group2["commit"] >= 3 and (group2["epoch"], group2["batch"]) != (0, 0), group2
+
+
+@pytest.mark.multiprocess
+def test_a_group_whose_every_process_fails_ends_the_job_at_once(tmp_path: Path) -> None:
+    """A script that fails on every process (a bug) is not restarted, nor waited on for slots."""
+    code, log, seconds = launch(
+        tmp_path, "strategy", 2, "--min-np", "1", env={"FAULT": "0:0:0:start,0:1:0:start"}
+    )
+    assert code == 3, tail(log)
+    assert "every process of group 0 failed" in log and "fails as it starts" in log, tail(log)
+    assert "group 1" not in log and seconds < 90, tail(log)
 
 
 @pytest.mark.multiprocess

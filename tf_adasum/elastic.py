@@ -137,9 +137,9 @@ class State:
     # Horovod's API.
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
-        """Functions to call when a new group starts after a reset (a worker lost or added), before the
-        state is synced: Horovod's place to rescale the learning rate with hvd.size(). Under Adasum
-        there is nothing to rescale."""
+        """Functions to call when a new group starts after a reset (a worker lost or added), once this
+        process has loaded its commit and before rank 0's state goes to new processes: Horovod's place
+        to rescale the learning rate with hvd.size(). Under Adasum there is nothing to rescale."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -191,6 +191,12 @@ class State:
         process with no state of its own takes rank 0's (at the job's start: every process but rank 0).
         Rank 0's Python attributes are broadcast to everyone, as Horovod does.
         """
+        self._sync(reset=False)
+
+    def _sync(self, reset: bool) -> None:
+        """sync(); with `reset`, the reset callbacks run between loading this process's own commit and
+        handing rank 0's state to the processes that have none (Horovod's order: restore, reset, sync),
+        so that what they set (a learning rate: Keras keeps it among the optimizer's variables) holds."""
         comm = engine.init()
         if launched() and comm.engine != "tf":
             raise ValueError(
@@ -216,6 +222,8 @@ class State:
             )
         if commits:
             self._apply(commits[target])
+        if reset:
+            self.on_reset()
         if comm.size > 1:
             root = holders[0] if holders else 0
             self._take_roots(root, need=[not h for h in every])
@@ -429,7 +437,11 @@ def _lost_peer(error: BaseException) -> bool:
         return True
     if isinstance(error, tf.errors.OpError):
         translated = errors.translate(error, engine.current())
-        return isinstance(translated, PeerError) or isinstance(error, errors.LOST_PEER)
+        # AbortedError: TensorFlow's coordination service gave up on a task (a heartbeat timeout, as
+        # when a host stalls), and aborts the collectives of every other task.
+        return isinstance(translated, PeerError) or isinstance(
+            error, (*errors.LOST_PEER, tf.errors.AbortedError)
+        )
     cause = error.__cause__ or error.__context__
     return cause is not None and cause is not error and _lost_peer(cause)
 
@@ -445,9 +457,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         try:
-            if generation() > 0:
-                state.on_reset()
-            state.sync()
+            state._sync(reset=generation() > 0)
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt as interrupt:
             if not launched():

@@ -135,6 +135,8 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
 def _forward(worker: Worker, group: int, lock: threading.Lock) -> None:
     for line in iter(worker.proc.stdout.readline, b""):
         worker.tail.append(line.decode(errors="replace").rstrip())
+        if not line.endswith(b"\n"):  # a process's last words (a progress bar): never glued to another's
+            line += b"\n"
         with lock:
             sys.stdout.buffer.write(f"[{worker.rank}] ".encode() + line)
             sys.stdout.buffer.flush()
@@ -249,6 +251,9 @@ def elastic_launch(
                         next_id += 1
                 if len(members) >= min_np:
                     break
+                if deadline is not None and time.monotonic() > deadline:
+                    _say("the --timeout passed while waiting for slots")
+                    return 124
                 if time.monotonic() > wait_until:
                     gone = (
                         "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
@@ -270,6 +275,15 @@ def elastic_launch(
             survivors = [w for w in members if w.outcome == "restart"]
             if all(w.outcome == "done" for w in members):
                 return 0
+            if not survivors and not any(w.outcome == "done" for w in members):
+                # Every process failed on its own (a bug in the script, a bad argument): no one is left to
+                # resume, and a new group would fail the same way.
+                first = ended[0]
+                _say(
+                    f"every process of group {group} failed; rank {first.rank} ({first.id}@{first.host}) "
+                    f"{first.outcome}; its last output: {_last_error(first)}"
+                )
+                return first.code if first.code and first.code > 0 else 1
             if any(w.outcome == "done" for w in members):
                 _say(
                     f"group {group}: rank(s) {[w.rank for w in members if w.outcome == 'done']} finished "
