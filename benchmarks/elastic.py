@@ -19,9 +19,11 @@ Runs, at N = 8:
     average_scaled     op=Average with Horovod's rule: lr = 0.01 * hvd.size(), set at the start and in a
                        reset callback (state.register_reset_callbacks), the same failures
     average_steady     op=Average, fixed rate, no failures
-and commit_cost: one run without failures (op=Adasum, N = 8) in phases of --phase-steps steps: no commits
-(the baseline), then CommitStateCallback with batches_per_commit 1, 10 and 100; every state.commit()
-is timed on its own with time.perf_counter.
+and commit_cost: one run without failures (op=Adasum, N = 8), one fit in phases of --phase-steps steps:
+no commits (the baseline), then a commit every 1, 10 and 100 batches (state.commit() after the batch, as
+CommitStateCallback(batches_per_commit=k) makes them), then no commits again (the baseline's second
+half); every commit is timed on its own with time.perf_counter, and so is the ranks' meeting inside it
+(check_host_updates).
 
 Recovery: from the kill (the dying worker's time.time()) or the discovery file's change (rank 0's) to
 the first completed step of the next group (the slowest rank's), in parts: the survivors' detection
@@ -33,12 +35,16 @@ this script kills the job's process group 60 s after that.
 
 Usage:
     python benchmarks/elastic.py             # the five runs and the commit cost, ~12 min here
-    python benchmarks/elastic.py --smoke     # N = 3 -> 2 -> 3: adasum_failures, short, and the commit cost, ~1 min
-    python benchmarks/elastic.py --runs adasum_failures adasum_steady --skip-commit-cost
+    python benchmarks/elastic.py --smoke     # N = 3 -> 2 -> 3: adasum_failures and the commit cost, ~1 min
+    python benchmarks/elastic.py --runs average_failures --skip-commit-cost   # one run again
+    python benchmarks/elastic.py --report    # run nothing: the tables and the plot from OUT's event files
 
-Writes OUT/<run>.csv (the validation curve: step, accuracy, loss, workers, group, ...),
-OUT/<run>_events.jsonl (every measurement), OUT/summary.csv, OUT/recovery.csv, OUT/commit_cost.csv,
-OUT/summary.txt (the printed tables) and OUT/accuracy_vs_step.png.
+Writes OUT/<run>_events.jsonl (the workers' @ev lines, the launcher's lines the recovery times need,
+the job's exit code, wall time and parameters), and from those files (the runs of --runs, the commit
+cost): OUT/<run>.csv (the validation curve: step, accuracy, loss, workers, group, ...),
+OUT/summary.csv, OUT/recovery.csv, OUT/commit_cost.csv, OUT/summary.txt (the printed tables) and
+OUT/accuracy_vs_step.png. A run left out or made with other parameters is named under the tables.
+The jobs' full output is in a temporary folder, kept when something failed.
 """
 
 from __future__ import annotations
@@ -145,7 +151,14 @@ def train_args(args: argparse.Namespace, spec: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
     if spec["failures"]:
         ranks = [str(r) for r in range(args.np - args.kill, args.np)]
-        out += ["--kill-step", str(args.kill_step), "--kill-ranks", *ranks, "--grow-step", str(args.grow_step)]
+        out += [
+            "--kill-step",
+            str(args.kill_step),
+            "--kill-ranks",
+            *ranks,
+            "--grow-step",
+            str(args.grow_step),
+        ]
     return out
 
 
@@ -277,14 +290,14 @@ def fmt(value: Any, digits: int = 3) -> str:
 def results_table(summary: list[dict[str, Any]]) -> str:
     base = next((r for r in summary if r["run"] == BASELINE), None)
     head = (
-        f"{'run':<17} {'op':<8} {'lr':<12} {'membership (steps)':<34} {'acc':>6} {'last3':>6} "
+        f"{'run':<17} {'op':<8} {'lr':<12} {'membership (steps)':<41} {'acc':>6} {'last3':>6} "
         f"{'vs base':>8} {'loss':>6} {'examples':>9} {'wall s':>7}"
     )
     lines = [head]
     for r in summary:
         versus = f"{100 * (r['final_accuracy'] - base['final_accuracy']):+.1f} pt" if base else "-"
         lines.append(
-            f"{r['run']:<17} {r['op']:<8} {r['lr']:<12} {r['membership']:<34} {r['final_accuracy']:>6.3f} "
+            f"{r['run']:<17} {r['op']:<8} {r['lr']:<12} {r['membership']:<41} {r['final_accuracy']:>6.3f} "
             f"{r['last3_accuracy']:>6.3f} {versus:>8} {r['final_loss']:>6.3f} {r['examples_seen']:>9} "
             f"{r['wall_s']:>7.0f}"
         )
@@ -304,29 +317,36 @@ def recovery_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         detail = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r.items() if k.endswith("_s") and k not in skip)
         lines.append(
-            f"{r['run']:<17} {r['change']:<7} {r['trigger_step']:>5} {r['resumed_at']:>7} {r['steps_redone']:>6} "
+            f"{r['run']:<17} {r['change']:<7} {r['trigger_step']:>5} {r['resumed_at']:>7} "
+            f"{r['steps_redone']:>6} "
             f"{r['total_s']:>7.1f} {r['ratio_to_cold_start']:>6.2f}  {detail}"
         )
-    lines.append("(x cold: the total against the job's own first start, launcher line to first step, same run)")
+    lines.append(
+        "(x cold: the total against the job's own first start, launcher line to first step, same run)"
+    )
     return "\n".join(lines)
 
 
 def commit_table(rows: list[dict[str, Any]], n: int) -> str:
     lines = [
-        f"commit cost at N = {n} (op=Adasum), rank 0; baseline: the phase without commits, same run",
+        f"commit cost at N = {n} (op=Adasum), rank 0; baseline: the two phases without commits (first and "
+        "last) of the same fit",
         f"{'batches_per_commit':>18} {'step ms':>8} {'commit ms':>10} {'(meeting)':>9} {'commits':>7} "
         f"{'overhead %/step':>15} {'ms/step wall':>12} {'x baseline':>10}",
     ]
-    base = next(r for r in rows if r["batches_per_commit"] == 0)
+    plain = [r for r in rows if r["batches_per_commit"] == 0]
+    base = {key: statistics.mean(r[key] for r in plain) for key in ("step_ms", "per_step_ms")}
     for r in rows:
         k = r["batches_per_commit"]
         overhead = 100 * r["commit_ms"] / (k * base["step_ms"]) if k else 0.0
         lines.append(
-            f"{k or 'none':>18} {r['step_ms']:>8.1f} {r['commit_ms']:>10.1f} {r['meeting_ms']:>9.1f} {r['commits']:>7} "
+            f"{k or 'none':>18} {r['step_ms']:>8.1f} {r['commit_ms']:>10.1f} {r['meeting_ms']:>9.1f} "
+            f"{r['commits']:>7} "
             f"{overhead:>15.1f} {r['per_step_ms']:>12.1f} {r['per_step_ms'] / base['per_step_ms']:>10.2f}"
         )
     lines.append(
-        "(overhead %/step: commit ms / (batches_per_commit * the baseline's step ms); meeting: the part of "
+        "(overhead %/step: commit ms / (batches_per_commit * the baseline's step ms), the baseline's being "
+        "the mean of the two phases without commits; meeting: the part of "
         "the commit in check_host_updates, the ranks' broadcast of rank 0's notice, the rest is the copy to "
         "host memory; ms/step wall: the phase's wall time / its steps, commits included)"
     )
@@ -352,7 +372,9 @@ def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) 
     for name, run in runs.items():
         style = "-" if RUNS[name]["failures"] else "--"
         steps = [r["step"] for r in run["curve"]]
-        acc.plot(steps, [r["accuracy"] for r in run["curve"]], style, color=colors[name], label=name, marker=".")
+        acc.plot(
+            steps, [r["accuracy"] for r in run["curve"]], style, color=colors[name], label=name, marker="."
+        )
         loss.plot(steps, [r["loss"] for r in run["curve"]], style, color=colors[name], marker=".")
         ordered = [run["groups"][g] for g in sorted(run["groups"]) if "size" in run["groups"][g]]
         xs, ys = [], []
@@ -360,26 +382,32 @@ def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) 
             end = ordered[i + 1]["resumed_at"] if i + 1 < len(ordered) else args.steps
             xs += [g.get("resumed_at", 0), end]
             ys += [g["size"], g["size"]]
-        size.plot(xs, ys, style, color=colors[name], label=name)
-    marked = next((runs[n] for n in ("adasum_failures", "average_failures", "average_scaled") if n in runs), None)
+        offset = 0.06 * (list(RUNS).index(name) - 2)  # the runs' lines side by side, not on top
+        size.plot(xs, [v + offset for v in ys], style, color=colors[name], label=name)
+    marked = next(
+        (runs[n] for n in ("adasum_failures", "average_failures", "average_scaled") if n in runs), None
+    )
     if marked is not None:
         ordered = [marked["groups"][g] for g in sorted(marked["groups"]) if "size" in marked["groups"][g]]
         small = [(g, ordered[i + 1]["resumed_at"] if i + 1 < len(ordered) else args.steps)
                  for i, g in enumerate(ordered) if g["size"] < args.np]  # fmt: skip
         for panel in (acc, loss, size):
             panel.axvline(args.kill_step, color="grey", linestyle=":", linewidth=1)
+            panel.axvline(args.grow_step, color="grey", linestyle="--", linewidth=1)
             for g, end in small:
                 panel.axvspan(g["resumed_at"], end, color="grey", alpha=0.12)
         acc.text(
             args.kill_step, 0.02, f" {args.kill} killed (step {args.kill_step})", fontsize=8, color="dimgrey"
         )
+        acc.text(args.grow_step, 0.02, f" slots back (step {args.grow_step})", fontsize=8, color="dimgrey")
     acc.set_ylabel("validation accuracy")
     acc.set_ylim(0, 1)
     acc.legend(fontsize=8, loc="lower right")
     acc.set_title(
-        f"Elastic training, N = {args.np} -> {args.np - args.kill} -> {args.np}, 32 examples per worker per step, "
+        f"Elastic training, N = {args.np} -> {args.np - args.kill} -> {args.np}, "
+        "32 examples per worker per step, "
         f"SGD lr {args.lr:g}\n(shaded: {args.np - args.kill} workers in the first run with failures; "
-        "solid: with failures, dashed: without)",
+        "solid: with failures, dashed: without; workers' lines offset a little)",
         fontsize=9,
     )
     loss.set_ylabel("validation loss")
@@ -389,6 +417,179 @@ def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) 
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+PARAMETERS = [
+    "np", "kill", "steps", "kill_step", "grow_step", "eval_every", "batches_per_commit",
+    "train_examples", "lr", "seed", "peer_timeout", "phase_steps",
+]  # fmt: skip
+# The launcher's and tf_adasum.elastic's lines that the recovery times need, kept with the events.
+KEPT_LINES = (LEAVE, GROUP_START, GROUP_END, NOTICE)
+
+
+def save_run(
+    out: Path, name: str, args: argparse.Namespace, result: tuple[int, list[Any], list[Any], float]
+) -> None:
+    """OUT/<name>_events.jsonl: the workers' @ev events, the launcher's lines that the recovery times
+    need (stamped on arrival), and the job's exit code, wall time and parameters."""
+    code, events, lines, wall = result
+    kept = [
+        {"ev": "line", "t": stamp, "kind": kind, "line": line}
+        for stamp, kind, line in lines
+        if any(pattern.match(line) for pattern in KEPT_LINES)
+    ]
+    job = {"ev": "job", "code": code, "wall": wall, "parameters": {k: getattr(args, k) for k in PARAMETERS}}
+    with open(out / f"{name}_events.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in [*events, *kept, job])
+
+
+def load_run(out: Path, name: str) -> tuple[int, list[Any], list[Any], float, dict[str, Any]] | None:
+    path = out / f"{name}_events.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    job = next((r for r in records if r["ev"] == "job"), {"code": None, "wall": 0.0, "parameters": {}})
+    lines = [(r["t"], r["kind"], r["line"]) for r in records if r["ev"] == "line"]
+    events = [r for r in records if r["ev"] not in ("line", "job")]
+    return job["code"], events, lines, job["wall"], job["parameters"]
+
+
+def run_summary(
+    name: str, events: list[Any], lines: list[Any], wall: float, args: argparse.Namespace
+) -> tuple[dict[str, Any], list[Any], dict[int, Any], list[dict[str, Any]], list[str]]:
+    """One run's row of the results table, its curve, its groups, its recoveries and notes."""
+    spec = RUNS[name]
+    points = curve(events)
+    groups = groups_of(events, lines)
+    notes = []
+    overwritten = [e for e in events if e["ev"] == "lr_overwritten_by_sync"]
+    # Rows written before the worker's tolerance was relative count float32's rounding too: recount.
+    overwritten = [e for e in overwritten if abs(e["lr"] - e["set_to"]) > 1e-6 * e["set_to"]]
+    row = {
+        "run": name,
+        "op": spec["op"],
+        "lr": f"{args.lr:g} x size" if spec["lr_rule"] == "size" else f"{args.lr:g}",
+        "failures": spec["failures"],
+        "membership": membership(groups, args.steps),
+        "groups": len([g for g in groups.values() if "size" in g]),
+        "steps": points[-1]["step"],
+        "final_accuracy": points[-1]["accuracy"],
+        "last3_accuracy": round(statistics.mean(p["accuracy"] for p in points[-3:]), 4),
+        "final_loss": points[-1]["loss"],
+        "examples_seen": points[-1]["examples_seen"],
+        "wall_s": round(wall, 1),
+        "lr_overwritten_by_sync": len(overwritten),
+    }
+    recoveries = [
+        {"run": name, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}
+        for r in recovery(events, groups)
+    ]
+    if spec["failures"] and len(recoveries) < 2:
+        notes.append(f"{name}: the job did not shrink and grow back before its end: see its log")
+    if overwritten:
+        wrong = sorted({(e["size"], round(e["lr"], 4), round(e["set_to"], 4)) for e in overwritten})
+        notes.append(
+            f"{name}: after the sync, {len(overwritten)} process(es) held the committed learning rate, not "
+            "the reset callback's (workers, after the sync, wanted: "
+            + "; ".join(f"{n}, {a:g}, {b:g}" for n, a, b in wrong)
+            + "); the worker set it again"
+        )
+    return row, points, groups, recoveries, notes
+
+
+def commit_rows(events: list[Any]) -> list[dict[str, Any]]:
+    phases = [e for e in events if e["ev"] == "commit_phase"]
+    rows = []
+    for e in phases:
+        if e["rank"] != 0:
+            continue
+        rows.append(
+            {
+                "phase": e["phase"],
+                "batches_per_commit": e["batches_per_commit"],
+                "steps": e["steps"],
+                "step_ms": round(e["step_ms"], 2),
+                "commit_ms": round(e["commit_ms"], 2),
+                "commit_max_ms": round(e["commit_max_ms"], 2),
+                "meeting_ms": round(e["meeting_ms"], 2),
+                "commits": e["commits"],
+                "per_step_ms": round(e["per_step_ms"], 2),
+                "commit_ms_mean_over_ranks": round(
+                    statistics.mean(p["commit_ms"] for p in phases if p["phase"] == e["phase"]), 2
+                ),
+            }
+        )
+    return rows
+
+
+def report(args: argparse.Namespace, elapsed: float | None) -> bool:
+    """Builds the tables, the CSVs, summary.txt and the plot from OUT's event files (the runs of
+    --runs, and the commit cost unless --skip-commit-cost); returns whether everything asked for is
+    there."""
+    wanted = {k: getattr(args, k) for k in PARAMETERS}
+    runs: dict[str, dict[str, Any]] = {}
+    summary, recoveries, notes = [], [], []
+    complete = True
+    walls = 0.0
+    for name in args.runs:
+        loaded = load_run(args.out, name)
+        if loaded is None:
+            notes.append(f"{name}: not run")
+            complete = False
+            continue
+        code, events, lines, wall, parameters = loaded
+        walls += wall
+        if parameters != wanted:
+            notes.append(f"{name}: left out, made with other parameters ({parameters})")
+            complete = False
+            continue
+        if code != 0 or not curve(events):
+            notes.append(f"{name}: no result (exit code {code}); see its log")
+            complete = False
+            continue
+        row, points, groups, rows, more = run_summary(name, events, lines, wall, args)
+        write_csv(args.out / f"{name}.csv", points)
+        runs[name] = {"curve": points, "groups": groups}
+        summary.append(row)
+        recoveries += rows
+        notes += more
+    commits: list[dict[str, Any]] = []
+    if not args.skip_commit_cost:
+        loaded = load_run(args.out, "commit_cost")
+        if loaded is not None:
+            walls += loaded[3]
+        if loaded is None or loaded[0] != 0 or loaded[4] != wanted or len(commit_rows(loaded[1])) != 5:
+            notes.append(
+                "commit_cost: no result" if loaded is None else f"commit_cost: no result (exit {loaded[0]})"
+            )
+            complete = False
+        else:
+            commits = commit_rows(loaded[1])
+    text = [
+        results_table(summary) if summary else "(no run finished)" if args.runs else "(no runs asked for)",
+        "",
+        recovery_table(recoveries),
+    ]
+    if commits:
+        text += ["", commit_table(commits, args.np)]
+    text += ["", f"the jobs' wall time, summed: {walls / 60:.1f} min"]
+    if elapsed is not None:
+        text.append(f"this invocation: {elapsed / 60:.1f} min")
+    if notes:
+        text += ["", *notes]
+    joined = "\n".join(text)
+    print("\n" + joined, flush=True)
+    for name, rows in (("summary", summary), ("recovery", recoveries), ("commit_cost", commits)):
+        if rows:
+            write_csv(args.out / f"{name}.csv", rows)
+    (args.out / "summary.txt").write_text(
+        f"python benchmarks/elastic.py{' --smoke' if args.smoke else ''}: N = {args.np} -> "
+        f"{args.np - args.kill} -> {args.np}, {args.steps} steps, lr {args.lr:g}, batches_per_commit "
+        f"{args.batches_per_commit}, seed {args.seed}\n\n{joined}\n"
+    )
+    if runs:
+        plot(runs, args, args.out / "accuracy_vs_step.png")
+    return complete
 
 
 def ensure_data(args: argparse.Namespace) -> None:
@@ -406,9 +607,16 @@ def ensure_data(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--runs", nargs="*", default=list(RUNS), choices=list(RUNS), help="none: the commit cost only"
+    )
     parser.add_argument("--skip-commit-cost", action="store_true")
+    parser.add_argument(
+        "--report", action="store_true", help="run nothing: the tables and the plot from OUT's event files"
+    )
     parser.add_argument("--np", type=int, default=8)
     parser.add_argument("--kill", type=int, default=2, help="workers killed (the last ranks of group 0)")
     parser.add_argument("--steps", type=int, default=400, help="global steps in all")
@@ -435,126 +643,41 @@ def main() -> int:
         if args.data == parser.get_default("data") and not args.data.exists():
             args.data = args.out / "digits16_smoke.npz"
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        return 0 if report(args, None) else 1
     began = time.time()
     ensure_data(args)
     work = Path(tempfile.mkdtemp(prefix="tf_adasum_elastic_bench_"))
     print(
-        f"N = {args.np} -> {args.np - args.kill} (step {args.kill_step}) -> {args.np} (from step {args.grow_step}); "
+        f"N = {args.np} -> {args.np - args.kill} (step {args.kill_step}) -> {args.np} "
+        f"(from step {args.grow_step}); "
         f"{args.steps} steps, lr {args.lr:g}, commit every {args.batches_per_commit} batches; logs in {work}",
         flush=True,
     )
-    runs: dict[str, dict[str, Any]] = {}
-    summary, recoveries = [], []
-    failed = False
     for name in args.runs:
-        spec = RUNS[name]
-        code, events, lines, wall = launch(args, name, train_args(args, spec), work, args.np)
-        with open(args.out / f"{name}_events.jsonl", "w") as f:
-            f.writelines(json.dumps(e) + "\n" for e in events)
+        result = launch(args, name, train_args(args, RUNS[name]), work, args.np)
+        save_run(args.out, name, args, result)
+        code, events, _, wall = result
         points = curve(events)
-        groups = groups_of(events, lines)
-        if code != 0 or not points:
-            failed = True
-            print(f"  {name}: no result (exit code {code})", flush=True)
-            continue
-        write_csv(args.out / f"{name}.csv", points)
-        runs[name] = {"curve": points, "groups": groups}
-        last3 = [p["accuracy"] for p in points[-3:]]
-        overwritten = [e for e in events if e["ev"] == "lr_overwritten_by_sync"]
-        row = {
-            "run": name,
-            "op": spec["op"],
-            "lr": f"{args.lr:g} x size" if spec["lr_rule"] == "size" else f"{args.lr:g}",
-            "failures": spec["failures"],
-            "membership": membership(groups, args.steps),
-            "groups": len([g for g in groups.values() if "size" in g]),
-            "steps": points[-1]["step"],
-            "final_accuracy": points[-1]["accuracy"],
-            "last3_accuracy": round(statistics.mean(last3), 4),
-            "final_loss": points[-1]["loss"],
-            "examples_seen": points[-1]["examples_seen"],
-            "wall_s": round(wall, 1),
-            "lr_overwritten_by_sync": len(overwritten),
-        }
-        summary.append(row)
-        for r in recovery(events, groups):
-            recoveries.append({"run": name, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}})
-        print(
-            f"  {name}: accuracy {row['final_accuracy']:.3f} after {row['steps']} steps, "
-            f"{row['membership']}, {wall:.0f} s",
-            flush=True,
+        done = (
+            f"accuracy {points[-1]['accuracy']:.3f} at step {points[-1]['step']}" if points else "no result"
         )
-        if spec["failures"] and len(recovery(events, groups)) < 2:
-            print(f"  {name}: the job did not shrink and grow back before its end: see the logs", flush=True)
-            failed = True
-        if overwritten:
-            print(
-                f"  {name}: the sync set the committed learning rate over the reset callback's in "
-                f"{len(overwritten)} process-group(s); the worker set it again",
-                flush=True,
-            )
-    commits: list[dict[str, Any]] = []
+        print(f"  {name}: exit code {code}, {done}, {wall:.0f} s", flush=True)
     if not args.skip_commit_cost:
         worker_args = [
             "commit_cost", "--data", str(args.data), "--train-examples", str(args.train_examples),
             "--op", "adasum", "--lr", str(args.lr), "--seed", str(args.seed), "--np", str(args.np),
             "--phase-steps", str(args.phase_steps),
         ]  # fmt: skip
-        code, events, _, wall = launch(args, "commit_cost", worker_args, work, args.np)
-        with open(args.out / "commit_cost_events.jsonl", "w") as f:
-            f.writelines(json.dumps(e) + "\n" for e in events)
-        phases = [e for e in events if e["ev"] == "commit_phase"]
-        for e in phases:
-            if e["rank"] == 0:
-                commits.append(
-                    {
-                        "batches_per_commit": e["batches_per_commit"],
-                        "steps": e["steps"],
-                        "step_ms": round(e["step_ms"], 2),
-                        "commit_ms": round(e["commit_ms"], 2),
-                        "commit_max_ms": round(e["commit_max_ms"], 2),
-                        "meeting_ms": round(e["meeting_ms"], 2),
-                        "commits": e["commits"],
-                        "per_step_ms": round(e["per_step_ms"], 2),
-                        "commit_ms_mean_over_ranks": round(
-                            statistics.mean(
-                                p["commit_ms"] for p in phases if p["batches_per_commit"] == e["batches_per_commit"]
-                            ),
-                            2,
-                        ),
-                    }
-                )
-        if code != 0 or len(commits) != 4:
-            failed = True
-            print(f"  commit_cost: no result (exit code {code})", flush=True)
-            commits = []
-
-    report = [results_table(summary) if summary else "(no run finished)", ""]
-    report.append(recovery_table(recoveries))
-    if commits:
-        report += ["", commit_table(commits, args.np)]
-    total = time.time() - began
-    report += ["", f"benchmark wall time: {total / 60:.1f} min"]
-    text = "\n".join(report)
-    print("\n" + text, flush=True)
-    if summary:
-        write_csv(args.out / "summary.csv", summary)
-    if recoveries:
-        write_csv(args.out / "recovery.csv", recoveries)
-    if commits:
-        write_csv(args.out / "commit_cost.csv", commits)
-    (args.out / "summary.txt").write_text(
-        f"python benchmarks/elastic.py{' --smoke' if args.smoke else ''}: N = {args.np} -> "
-        f"{args.np - args.kill} -> {args.np}, {args.steps} steps, lr {args.lr:g}, batches_per_commit "
-        f"{args.batches_per_commit}, seed {args.seed}\n\n{text}\n"
-    )
-    if runs:
-        plot(runs, args, args.out / "accuracy_vs_step.png")
-    if not failed:
+        result = launch(args, "commit_cost", worker_args, work, args.np)
+        save_run(args.out, "commit_cost", args, result)
+        print(f"  commit_cost: exit code {result[0]}, {result[3]:.0f} s", flush=True)
+    complete = report(args, time.time() - began)
+    if complete:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"logs kept in {work}", flush=True)
-    return 1 if failed else 0
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ that many placeholder batches in front of its data, so that the skip lands on `s
 
 Modes:
     train         the training run (--kill-step / --grow-step inject the membership changes)
-    commit_cost   timed phases of --phase-steps steps without commits, then with batches_per_commit
-                  1, 10, 100: every state.commit() timed with time.perf_counter
+    commit_cost   one fit in phases of --phase-steps steps: without commits, then a commit every 1, 10,
+                  100 batches; every state.commit() timed with time.perf_counter
 
 Every measurement is a line `@ev {json}` on stdout (the launcher prefixes `[rank] `), with time.time().
 """
@@ -48,7 +48,7 @@ import tensorflow as tf  # noqa: E402
 
 T_TENSORFLOW = time.time()
 
-import tf_adasum  # noqa: E402  (under the launcher this starts the collective engine)
+import tf_adasum  # noqa: E402, F401  (under the launcher this starts the collective engine)
 
 T_ENGINE = time.time()
 
@@ -64,7 +64,13 @@ T_IMPORTED = time.time()
 
 
 def event(kind: str, **fields: Any) -> None:
-    line = {"ev": kind, "t": time.time(), "group": elastic.generation(), "rank": hvd.rank(), "size": hvd.size()}
+    line = {
+        "ev": kind,
+        "t": time.time(),
+        "group": elastic.generation(),
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+    }
     line.update(fields)
     print("@ev " + json.dumps(line), flush=True)
 
@@ -72,7 +78,9 @@ def event(kind: str, **fields: Any) -> None:
 def stream_indices(start: int, steps: int, size: int, rank: int, count: int, seed: int) -> np.ndarray:
     """[steps, LOCAL_BATCH] indices of this rank's examples for the next `steps` global steps from
     stream position `start`."""
-    offsets = start + LOCAL_BATCH * size * np.arange(steps)[:, None] + LOCAL_BATCH * rank + np.arange(LOCAL_BATCH)
+    offsets = (
+        start + LOCAL_BATCH * size * np.arange(steps)[:, None] + LOCAL_BATCH * rank + np.arange(LOCAL_BATCH)
+    )
     passes = offsets // count
     out = np.empty_like(offsets)
     for p in np.unique(passes):
@@ -87,7 +95,9 @@ class Measure(keras.callbacks.Callback):
     empty), logs the group's first step, evaluates on rank 0 at every epoch's end, and injects the
     membership changes. Must come before CommitStateCallback, so that a commit holds its counts."""
 
-    def __init__(self, state: Any, args: argparse.Namespace, validation: tuple[np.ndarray, np.ndarray]) -> None:
+    def __init__(
+        self, state: Any, args: argparse.Namespace, validation: tuple[np.ndarray, np.ndarray]
+    ) -> None:
         super().__init__()
         self.state, self.args, self.validation = state, args, validation
         self.first = True
@@ -150,7 +160,9 @@ def setup(args: argparse.Namespace) -> tuple[Any, ...]:
     model = make_model()
     op = hvd.Adasum if args.op == "adasum" else hvd.Average
     lr = args.lr * (hvd.size() if args.lr_rule == "size" else 1)
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), op=op), loss=LOSS)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), op=op), loss=LOSS
+    )
     state = elastic.KerasState(model, epoch=0, batch=0, step=0, seen=0)
     return x, y, x_val, y_val, model, state
 
@@ -170,7 +182,9 @@ def train(args: argparse.Namespace) -> None:
     @elastic.run
     def fit(state: Any) -> None:
         lr_after_sync = float(np.asarray(model.optimizer.learning_rate))
-        event("synced", step=int(state.step), epoch=int(state.epoch), batch=int(state.batch), lr=lr_after_sync)
+        event(
+            "synced", step=int(state.step), epoch=int(state.epoch), batch=int(state.batch), lr=lr_after_sync
+        )
         if args.lr_rule == "size" and abs(lr_after_sync - args.lr * hvd.size()) > 1e-6 * args.lr * hvd.size():
             # The sync restored the committed learning rate over the reset callback's (see the README):
             # set it again here, where Horovod's recipe would have it already.
@@ -201,77 +215,96 @@ def train(args: argparse.Namespace) -> None:
     event("done", step=int(state.step))
 
 
+WARMUP_STEPS = 10  # untimed: tracing and the first steps
+
+
 def commit_cost(args: argparse.Namespace) -> None:
-    """Phases of --phase-steps global steps: without commits (the baseline), then committing every 1,
-    10 and 100 batches; each commit timed on its own, each step from its batch's begin to its end."""
+    """One fit of WARMUP_STEPS + 5 phases of --phase-steps global steps: without commits (the baseline),
+    a commit every 1, 10 and 100 batches, as CommitStateCallback makes them (state.commit() after the
+    batch), and without commits again (the baseline's second half, against drift on a shared machine).
+    Each commit is timed on its own, and the ranks' meeting inside it (check_host_updates: rank 0's
+    notice, broadcast) on its own; each step from its batch's begin to its end.
+
+    One fit, not one per phase: in 8-process jobs here fit took up to 40 s to return on some ranks after
+    its last batch (in C++, below keras's error_handler: fit's frame torn down), and the next collective
+    timed out (see the README)."""
     x, y, _, _, model, state = setup(args)
     event("ready", start=T_START, tensorflow=T_TENSORFLOW, engine=T_ENGINE, imported=T_IMPORTED)
+    phases = [0, 1, 10, 100, 0]
+    steps = args.phase_steps
     commit, check = state.commit, state.check_host_updates
-    commit_seconds: list[float] = []
     check_seconds: list[float] = []
 
-    def timed_commit() -> None:
-        started = time.perf_counter()
-        commit()
-        commit_seconds.append(time.perf_counter() - started)
-
-    def timed_check() -> None:  # the ranks' meeting inside commit(): rank 0's notice, broadcast
+    def timed_check() -> None:
         started = time.perf_counter()
         check()
         check_seconds.append(time.perf_counter() - started)
 
-    state.commit, state.check_host_updates = timed_commit, timed_check
+    state.check_host_updates = timed_check
 
-    class Steps(keras.callbacks.Callback):
+    class Phases(keras.callbacks.Callback):
         def __init__(self) -> None:
             super().__init__()
-            self.seconds: list[float] = []
-            self.begin = self.first = self.last = 0.0
+            self.step_seconds: list[list[float]] = [[] for _ in phases]
+            self.commit_seconds: list[list[float]] = [[] for _ in phases]
+            self.meeting_seconds: list[list[float]] = [[] for _ in phases]
+            # Per phase: its first batch's end, its last batch's end (after the commit, if any).
+            self.spans = [[0.0, 0.0] for _ in phases]
+            self.begin = 0.0
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             self.begin = time.perf_counter()
-            if batch == 0:
-                self.first = self.begin
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.last = time.perf_counter()
-            self.seconds.append(self.last - self.begin)
+            end = time.perf_counter()
+            if batch < WARMUP_STEPS:
+                return
+            phase, i = divmod(batch - WARMUP_STEPS, steps)
+            self.step_seconds[phase].append(end - self.begin)
+            every = phases[phase]
+            if every and (i + 1) % every == 0:
+                check_seconds.clear()
+                commit()
+                done = time.perf_counter()
+                self.commit_seconds[phase].append(done - end)
+                self.meeting_seconds[phase].extend(check_seconds)
+                end = done
+            if i == 0:
+                self.spans[phase][0] = end
+            self.spans[phase][1] = end
+
+    timer = Phases()
 
     @elastic.run
-    def phases(state: Any) -> None:
-        steps = args.phase_steps
-        idx = stream_indices(0, steps, hvd.size(), hvd.rank(), len(y), args.seed).reshape(-1)
-        data = tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(LOCAL_BATCH).repeat()
-        model.fit(data, steps_per_epoch=10, epochs=1, shuffle=False, verbose=0)  # tracing, untimed
-        for every in [0, 1, 10, 100]:
-            timer = Steps()
-            callbacks: list[Any] = [timer]
-            if every:
-                callbacks.append(elastic.CommitStateCallback(state, batches_per_commit=every))
-            commit_seconds.clear()
-            check_seconds.clear()
-            hvd.allreduce(tf.constant(0.0))  # the ranks start each phase together
-            model.fit(data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-            # CommitStateCallback also commits at the epoch's end: that one is timed with the others.
-            event(
-                "commit_phase",
-                batches_per_commit=every,
-                steps=steps,
-                step_ms=1e3 * statistics.median(timer.seconds[1:]),
-                mean_step_ms=1e3 * statistics.mean(timer.seconds[1:]),
-                per_step_ms=1e3 * (timer.last - timer.first) / steps,
-                commits=len(commit_seconds),
-                commit_ms=1e3 * statistics.median(commit_seconds) if commit_seconds else 0.0,
-                commit_max_ms=1e3 * max(commit_seconds) if commit_seconds else 0.0,
-                meeting_ms=1e3 * statistics.median(check_seconds) if check_seconds else 0.0,
-            )
+    def run_phases(state: Any) -> None:
+        total = WARMUP_STEPS + len(phases) * steps
+        idx = stream_indices(0, total, hvd.size(), hvd.rank(), len(y), args.seed).reshape(-1)
+        data = tf.data.Dataset.from_tensor_slices((x[idx], y[idx])).batch(LOCAL_BATCH)
+        model.fit(data, steps_per_epoch=total, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
 
-    phases(state)
+    run_phases(state)
+    for p, every in enumerate(phases):
+        commits, meetings = timer.commit_seconds[p], timer.meeting_seconds[p]
+        event(
+            "commit_phase",
+            phase=p,
+            batches_per_commit=every,
+            steps=steps,
+            step_ms=1e3 * statistics.median(timer.step_seconds[p]),
+            mean_step_ms=1e3 * statistics.mean(timer.step_seconds[p]),
+            per_step_ms=1e3 * (timer.spans[p][1] - timer.spans[p][0]) / (steps - 1),
+            commits=len(commits),
+            commit_ms=1e3 * statistics.median(commits) if commits else 0.0,
+            commit_max_ms=1e3 * max(commits) if commits else 0.0,
+            meeting_ms=1e3 * statistics.median(meetings) if meetings else 0.0,
+        )
     event("done")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("mode", choices=["train", "commit_cost"])
     parser.add_argument("--data", required=True, help="augmented_digits' cache file")
     parser.add_argument("--train-examples", type=int, default=0, help="the first N training images (0: all)")
