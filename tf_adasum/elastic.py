@@ -165,8 +165,8 @@ class State:
         slots since the last check. Collective: every rank must call it."""
         comm = engine.init()
         mine = _latest_notice() if comm.rank == 0 else 0
-        if comm.size > 1:
-            mine = int(distributed.broadcast(tf.constant([mine], tf.int64), root=0)[0])
+        if comm.size > 1:  # one collective, the commit's meeting: a max, so rank 0's notice (Horovod's TODO)
+            mine = int(comm.allreduce(tf.constant([mine], tf.int64), "max")[0])
         if mine > self._last_notice:
             self._last_notice = mine
             raise HostsUpdatedInterrupt(f"the launcher reported more slots (notice {mine})")
