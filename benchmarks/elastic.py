@@ -347,8 +347,8 @@ def commit_table(rows: list[dict[str, Any]], n: int) -> str:
     lines.append(
         "(overhead %/step: commit ms / (batches_per_commit * the baseline's step ms), the baseline's being "
         "the mean of the two phases without commits; meeting: the part of "
-        "the commit in check_host_updates, the ranks' broadcast of rank 0's notice, the rest is the copy to "
-        "host memory; ms/step wall: the phase's wall time / its steps, commits included)"
+        "the commit in check_host_updates, where the ranks meet on rank 0's notice (one collective), the "
+        "rest is the copy to host memory; ms/step wall: the phase's wall time / its steps, commits included)"
     )
     return "\n".join(lines)
 
@@ -427,23 +427,54 @@ PARAMETERS = [
 KEPT_LINES = (LEAVE, GROUP_START, GROUP_END, NOTICE)
 
 
+def code_version() -> str:
+    """The commit the jobs run, and whether tf_adasum/ differs from it (others may be editing it)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "tf_adasum"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return f"{head}{' + uncommitted changes in tf_adasum/' if dirty else ''}"
+
+
 def save_run(
-    out: Path, name: str, args: argparse.Namespace, result: tuple[int, list[Any], list[Any], float]
+    out: Path,
+    name: str,
+    args: argparse.Namespace,
+    result: tuple[int, list[Any], list[Any], float],
+    code_at_start: str = "unknown",
 ) -> None:
     """OUT/<name>_events.jsonl: the workers' @ev events, the launcher's lines that the recovery times
-    need (stamped on arrival), and the job's exit code, wall time and parameters."""
+    need (stamped on arrival), and the job's exit code, wall time, parameters and tf_adasum's commit at
+    its start and end."""
     code, events, lines, wall = result
     kept = [
         {"ev": "line", "t": stamp, "kind": kind, "line": line}
         for stamp, kind, line in lines
         if any(pattern.match(line) for pattern in KEPT_LINES)
     ]
-    job = {"ev": "job", "code": code, "wall": wall, "parameters": {k: getattr(args, k) for k in PARAMETERS}}
+    job = {
+        "ev": "job",
+        "code": code,
+        "wall": wall,
+        "parameters": {k: getattr(args, k) for k in PARAMETERS},
+        "tf_adasum": {"start": code_at_start, "end": code_version()},
+    }
     with open(out / f"{name}_events.jsonl", "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in [*events, *kept, job])
 
 
-def load_run(out: Path, name: str) -> tuple[int, list[Any], list[Any], float, dict[str, Any]] | None:
+def load_run(
+    out: Path, name: str
+) -> tuple[int, list[Any], list[Any], float, dict[str, Any], dict[str, str]] | None:
     path = out / f"{name}_events.jsonl"
     if not path.exists():
         return None
@@ -451,7 +482,8 @@ def load_run(out: Path, name: str) -> tuple[int, list[Any], list[Any], float, di
     job = next((r for r in records if r["ev"] == "job"), {"code": None, "wall": 0.0, "parameters": {}})
     lines = [(r["t"], r["kind"], r["line"]) for r in records if r["ev"] == "line"]
     events = [r for r in records if r["ev"] not in ("line", "job")]
-    return job["code"], events, lines, job["wall"], job["parameters"]
+    job.setdefault("tf_adasum", {"start": "unknown", "end": "unknown"})
+    return job["code"], events, lines, job["wall"], job["parameters"], job["tf_adasum"]
 
 
 def run_summary(
@@ -531,14 +563,16 @@ def report(args: argparse.Namespace, elapsed: float | None) -> bool:
     summary, recoveries, notes = [], [], []
     complete = True
     walls = 0.0
+    codes: list[dict[str, str]] = []
     for name in args.runs:
         loaded = load_run(args.out, name)
         if loaded is None:
             notes.append(f"{name}: not run")
             complete = False
             continue
-        code, events, lines, wall, parameters = loaded
+        code, events, lines, wall, parameters, version = loaded
         walls += wall
+        codes.append(version)
         if parameters != wanted:
             notes.append(f"{name}: left out, made with other parameters ({parameters})")
             complete = False
@@ -558,6 +592,7 @@ def report(args: argparse.Namespace, elapsed: float | None) -> bool:
         loaded = load_run(args.out, "commit_cost")
         if loaded is not None:
             walls += loaded[3]
+            codes.append(loaded[5])
         if loaded is None or loaded[0] != 0 or loaded[4] != wanted or len(commit_rows(loaded[1])) != 5:
             notes.append(
                 "commit_cost: no result" if loaded is None else f"commit_cost: no result (exit {loaded[0]})"
@@ -573,6 +608,10 @@ def report(args: argparse.Namespace, elapsed: float | None) -> bool:
     if commits:
         text += ["", commit_table(commits, args.np)]
     text += ["", f"the jobs' wall time, summed: {walls / 60:.1f} min"]
+    versions = sorted(
+        {f"{v['start']} -> {v['end']}" if v["start"] != v["end"] else v["start"] for v in codes}
+    )
+    text.append(f"tf_adasum: {'; '.join(versions) or 'unknown'}")
     if elapsed is not None:
         text.append(f"this invocation: {elapsed / 60:.1f} min")
     if notes:
@@ -655,8 +694,9 @@ def main() -> int:
         flush=True,
     )
     for name in args.runs:
+        version = code_version()
         result = launch(args, name, train_args(args, RUNS[name]), work, args.np)
-        save_run(args.out, name, args, result)
+        save_run(args.out, name, args, result, version)
         code, events, _, wall = result
         points = curve(events)
         done = (
@@ -669,8 +709,9 @@ def main() -> int:
             "--op", "adasum", "--lr", str(args.lr), "--seed", str(args.seed), "--np", str(args.np),
             "--phase-steps", str(args.phase_steps),
         ]  # fmt: skip
+        version = code_version()
         result = launch(args, "commit_cost", worker_args, work, args.np)
-        save_run(args.out, "commit_cost", args, result)
+        save_run(args.out, "commit_cost", args, result, version)
         print(f"  commit_cost: exit code {result[0]}, {result[3]:.0f} s", flush=True)
     complete = report(args, time.time() - began)
     if complete:

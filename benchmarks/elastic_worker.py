@@ -186,8 +186,8 @@ def train(args: argparse.Namespace) -> None:
             "synced", step=int(state.step), epoch=int(state.epoch), batch=int(state.batch), lr=lr_after_sync
         )
         if args.lr_rule == "size" and abs(lr_after_sync - args.lr * hvd.size()) > 1e-6 * args.lr * hvd.size():
-            # The sync restored the committed learning rate over the reset callback's (see the README):
-            # set it again here, where Horovod's recipe would have it already.
+            # Before 767f3fe the sync restored the committed learning rate over the reset callback's (see
+            # the README's elastic section): counted, and set again here, where Horovod's recipe has it.
             model.optimizer.learning_rate = args.lr * hvd.size()
             event("lr_overwritten_by_sync", lr=lr_after_sync, set_to=args.lr * hvd.size())
         total = args.steps - int(state.step)
@@ -223,7 +223,7 @@ def commit_cost(args: argparse.Namespace) -> None:
     a commit every 1, 10 and 100 batches, as CommitStateCallback makes them (state.commit() after the
     batch), and without commits again (the baseline's second half, against drift on a shared machine).
     Each commit is timed on its own, and the ranks' meeting inside it (check_host_updates: rank 0's
-    notice, broadcast) on its own; each step from its batch's begin to its end.
+    notice, one collective) on its own; each step from its batch's begin to its end.
 
     One fit, not one per phase: in 8-process jobs here fit took up to 40 s to return on some ranks after
     its last batch (in C++, below keras's error_handler: fit's frame torn down), and the next collective
