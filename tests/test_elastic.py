@@ -255,6 +255,23 @@ def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
         }
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_elastic_benchmark_smoke_run_goes_end_to_end(tmp_path: Path) -> None:
+    """benchmarks/elastic.py --smoke: a 3 -> 2 -> 3 job and the commit cost, with its tables and plot."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "elastic.py"), "--smoke",
+        "--out", str(tmp_path / "out"), "--data", str(tmp_path / "digits.npz"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out_smoke"
+    for name in ("summary.csv", "recovery.csv", "commit_cost.csv", "accuracy_vs_step.png"):
+        assert (out / name).stat().st_size > 0, name
+    changes = (out / "recovery.csv").read_text()
+    assert "3 -> 2" in changes and "2 -> 3" in changes, changes
+
+
 # In one process.
 
 
