@@ -22,7 +22,7 @@ import pytest
 
 from tests.processes import ROOT
 from tf_adasum import elastic
-from tf_adasum.elastic_launcher import RESTART_EXIT_CODE, parse_slots
+from tf_adasum.elastic_launcher import RESTART_EXIT_CODE, elastic_launch, parse_slots
 
 WORKER = ROOT / "tests" / "elastic_worker.py"
 LAUNCH_TIMEOUT = 240
@@ -287,6 +287,16 @@ def test_elastic_flags_need_elastic() -> None:
         capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 2 and "--min-np only go with --elastic" in done.stderr
+
+
+def test_the_launcher_refuses_sizes_it_cannot_keep() -> None:
+    """Nothing is quietly changed: --max-np below -np, --min-np above it, or -H with too few slots."""
+    with pytest.raises(ValueError, match=r"expected 1 <= --min-np <= -np <= --max-np, got 2, 3, 2"):
+        elastic_launch(3, ["true"], min_np=2, max_np=2)
+    with pytest.raises(ValueError, match=r"got 4, 3, 3"):
+        elastic_launch(3, ["true"], min_np=4)
+    with pytest.raises(ValueError, match=r"-H 'a:1,b:1' has 2 slots for -np 3"):
+        elastic_launch(3, ["true"], hosts="a:1,b:1")
 
 
 def test_restart_exit_code_is_not_a_common_one() -> None:

@@ -132,7 +132,7 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _forward(worker: Worker, group: int, lock: threading.Lock) -> None:
+def _forward(worker: Worker, lock: threading.Lock) -> None:
     for line in iter(worker.proc.stdout.readline, b""):
         worker.tail.append(line.decode(errors="replace").rstrip())
         if not line.endswith(b"\n"):  # a process's last words (a progress bar): never glued to another's
@@ -185,12 +185,14 @@ def elastic_launch(
             commits (rank i from the i-th file by old rank), as if it were the next group.
     """
     min_np = np if min_np is None else min_np
-    max_np = max(np, max_np or np)
-    if not 1 <= min_np <= np:
-        raise ValueError(f"--min-np {min_np} must be between 1 and -np {np}")
+    max_np = np if max_np is None else max_np
+    if not 1 <= min_np <= np <= max_np:
+        raise ValueError(f"expected 1 <= --min-np <= -np <= --max-np, got {min_np}, {np}, {max_np}")
     state_dir = state_dir or os.path.join("/tmp", "tf_adasum_elastic", f"{os.getpid()}-{int(time.time())}")
     os.makedirs(state_dir, exist_ok=True)
     discovery = Discovery(discovery_script, hosts, np)
+    if not discovery_script and sum(discovery.static.values()) < np:
+        raise ValueError(f"-H {hosts!r} has {sum(discovery.static.values())} slots for -np {np}")
     all_local = not discovery_script and all(h in launcher.LOCAL_HOSTS for h in discovery.static)
     notices = _Notices()
     threading.Thread(target=notices.serve_forever, daemon=True).start()
@@ -244,12 +246,14 @@ def elastic_launch(
                         free[w.host] -= 1
                         members.append(w)
                 target = np if group == 0 else max_np
+                new_hosts: list[str] = []
                 for host in answer:
-                    while free[host] > 0 and len(members) < target:
+                    while free[host] > 0 and len(members) + len(new_hosts) < target:
                         free[host] -= 1
-                        members.append(Worker(id=f"w{next_id}", host=host))
-                        next_id += 1
-                if len(members) >= min_np:
+                        new_hosts.append(host)
+                if len(members) + len(new_hosts) >= min_np:
+                    members += [Worker(id=f"w{next_id + i}", host=h) for i, h in enumerate(new_hosts)]
+                    next_id += len(new_hosts)
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     _say("the --timeout passed while waiting for slots")
@@ -259,9 +263,10 @@ def elastic_launch(
                         "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
                     )
                     raise ElasticError(
-                        f"{len(members)} worker(s) available, fewer than --min-np {min_np}, after waiting "
-                        f"{elastic_timeout:.0f} s for slots. Lost workers: {gone}. The last commits are in "
-                        f"{_last_group_dir(state_dir, group)} (resume with --resume-from)"
+                        f"{len(members) + len(new_hosts)} worker(s) available, fewer than --min-np {min_np}, "
+                        f"after waiting {elastic_timeout:.0f} s for slots. Lost workers: {gone}. "
+                        f"The last commits are in {_last_group_dir(state_dir, group)} "
+                        "(resume with --resume-from)"
                     )
                 time.sleep(DISCOVERY_SECONDS)
             survivors = []
@@ -317,9 +322,7 @@ def elastic_launch(
 
 
 def _last_group_dir(state_dir: str, group: int) -> str:
-    return (
-        os.path.join(state_dir, f"group{max(group - 1, 0)}") if group else os.path.join(state_dir, "group0")
-    )
+    return os.path.join(state_dir, f"group{max(group - 1, 0)}")
 
 
 def _last_error(worker: Worker) -> str:
@@ -379,7 +382,7 @@ def _run_group(
         w.proc = subprocess.Popen(
             line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
-        threading.Thread(target=_forward, args=(w, group, lock), daemon=True).start()
+        threading.Thread(target=_forward, args=(w, lock), daemon=True).start()
 
     def kill(w: Worker) -> None:
         if w.proc.poll() is None:
