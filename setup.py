@@ -1,48 +1,116 @@
 """Builds kernels/ into tf_adasum/_adasum_ops.so against the installed TensorFlow.
 
-`pip install .` and `pip install -e .` both run this. The compiler and link flags come from
-`tf.sysconfig`, so the library matches the TensorFlow it will be loaded into. Compiler output goes to
-build/adasum_build.log; on failure its end is shown.
+`pip install .`, `pip install -e .` and `pip wheel .` all run this. The library does not depend on the
+CPU it is built on:
+- the TensorFlow adapter (kernels/adasum_ops.cc, the one file that includes TensorFlow's headers)
+  compiles with TensorFlow's own flags from `tf.sysconfig` and no instruction-set flag, so no
+  host-specific option reaches TensorFlow's bundled Eigen;
+- the hot loops (kernels/adasum_cpu_path.cc) compile once per CPU path, each with its own -m flags,
+  and kernels/adasum_cpu.cc picks the widest one the CPU runs when the library loads. On x86-64:
+  portable (the x86-64 baseline), avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, DQ), avx512bf16; on
+  other architectures, portable. Every path gives the same bits.
+
+Compiler output goes to build/adasum_build.log; on failure the error names the file, the header and
+the flag that failed, and what to set.
 
 Environment:
-    TF_ADASUM_ARCH_FLAGS: CPU code-generation flags (default "-march=native"). Set it, for example to
-        "-mavx2 -mfma -mf16c", when the library is built on one machine and run on others.
+    TF_ADASUM_ARCH_FLAGS: opt-in host flags, for example "-march=native", added to every file in place
+        of the dispatch: the library then holds one CPU path, "custom", built with these flags, and
+        runs only on CPUs that have what they enable.
+    CXX: the C++ compiler (default g++).
     TF_ADASUM_CUDA=1: also compile the CUDA kernels (kernels/adasum_cuda.cu, with nvcc) and register
         the ops' GPU kernels. Needs TensorFlow's GPU wheel (`tensorflow==2.21.0`), whose headers carry
         CUDA's, and nvcc: $NVCC, else $CUDA_HOME/bin/nvcc, else nvcc on PATH, else
         /usr/local/cuda/bin/nvcc. Without either the build stays CPU-only and says why, in the build
         log and at import (tf_adasum.ops.built_with_cuda() tells which it is).
     TF_ADASUM_CUDA_ARCHS: nvcc's -gencode flags (default: Turing, Ampere, Hopper, and PTX for newer).
+
+The build steps are plain functions (`build_library`), so tests can build with another compiler, for
+another CPU, into a folder of their own; setup() runs only when setuptools runs this file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from setuptools import Extension, setup
-from setuptools.command.build_ext import build_ext
-
 ROOT = Path(__file__).resolve().parent
-SOURCES = ["kernels/adasum_cpu.cc", "kernels/adasum_host.cc", "kernels/adasum_ops.cc"]
+KERNELS = ROOT / "kernels"
 LIBRARY = "tf_adasum/_adasum_ops.so"
-
-CUDA_SOURCE = "kernels/adasum_cuda.cu"
+# TensorFlow-free, built for the architecture's baseline: blocks, threads, the choice of path, and the
+# C entry points the MPI engine calls through ctypes.
+CORE_SOURCES = ["adasum_cpu.cc", "adasum_host.cc"]
+PATH_SOURCE = "adasum_cpu_path.cc"
+ADAPTER_SOURCE = "adasum_ops.cc"
+CUDA_SOURCE = "adasum_cuda.cu"
 CUDA_ARCHS = (
     "-gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 "
     "-gencode arch=compute_90,code=[sm_90,compute_90]"
 )
+
+_AVX2 = ["-mavx", "-mavx2", "-mfma", "-mf16c"]
+# g++ 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (GCC bug 105593).
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-Wno-maybe-uninitialized"]
+# The CPU paths per architecture, narrowest first; kernels/adasum_cpu.cc lists the same ones.
+X86_64_PATHS = {
+    "portable": [],
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512bf16": [*_AVX512, "-mavx512bf16"],
+}
+# TensorFlow's own headers trip these two warnings by the hundred.
+QUIET = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
+# No FMA contraction: fma(ca, a, cb * b) would differ from fma(cb, b, ca * a), and Adasum must be
+# bitwise symmetric; and every CPU path must round alike.
+CODEGEN = ["-O3", "-fPIC", "-ffp-contract=off", "-Wall", *QUIET]
 
 _QUERY = (
     "import json, tensorflow as tf; "
     "print(json.dumps([tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags(), "
     "tf.test.is_built_with_cuda()]))"
 )
+
+
+@dataclass
+class TensorFlowBuild:
+    """What the library is compiled against: this interpreter's TensorFlow."""
+
+    version: str
+    compile_flags: list[str]
+    link_flags: list[str]
+    with_cuda: bool
+
+    @property
+    def include_dirs(self) -> list[str]:
+        return [f[2:] for f in self.compile_flags if f.startswith("-I")]
+
+
+def tensorflow_build_info() -> TensorFlowBuild:
+    """Version, compile and link flags, and CUDA support of this interpreter's TensorFlow.
+
+    pip builds in an isolated environment that hides the installed TensorFlow, so the query runs in a
+    fresh interpreter without pip's PYTHONPATH, which sees the real site-packages.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    result = subprocess.run(
+        [sys.executable, "-c", _QUERY], env=env, capture_output=True, text=True, cwd="/", check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            "tf_adasum builds its ops against the installed TensorFlow, but "
+            f"`{sys.executable} -c 'import tensorflow'` failed:\n{result.stderr[-2000:]}\n"
+            "Install TensorFlow first, for example `pip install tensorflow-cpu==2.21.0`."
+        )
+    version, cflags, lflags, has_cuda = json.loads(result.stdout.strip().splitlines()[-1])
+    return TensorFlowBuild(version, cflags, lflags, has_cuda)
 
 
 def find_nvcc() -> str | None:
@@ -60,7 +128,7 @@ def find_nvcc() -> str | None:
 def cuda_root(nvcc: str) -> Path:
     """The CUDA toolkit nvcc belongs to (nvcc may be a wrapper script elsewhere): nvcc says where it is."""
     probe = subprocess.run(
-        [nvcc, "--dryrun", "-c", str(ROOT / CUDA_SOURCE), "-o", os.devnull],
+        [nvcc, "--dryrun", "-c", str(KERNELS / CUDA_SOURCE), "-o", os.devnull],
         capture_output=True,
         text=True,
         check=False,
@@ -88,98 +156,290 @@ def cuda_plan(tf_has_cuda: bool, include_dirs: list[str]) -> tuple[str | None, s
     return nvcc, f"building the GPU kernels with {nvcc}"
 
 
-def tensorflow_build_info() -> tuple[str, list[str], list[str], bool]:
-    """Returns (version, compile flags, link flags, built with CUDA) of this interpreter's TensorFlow.
+def target_machine(compiler: list[str]) -> str:
+    """The architecture the compiler builds for, from its target triple (x86_64, aarch64, ...)."""
+    result = subprocess.run([*compiler, "-dumpmachine"], capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not result.stdout.strip():
+        raise RuntimeError(f"`{shlex.join(compiler)} -dumpmachine` failed: is {compiler[0]} a C++ compiler?")
+    return result.stdout.strip().split("-")[0]
 
-    pip builds in an isolated environment that hides the installed TensorFlow, so the query runs in a
-    fresh interpreter without pip's PYTHONPATH, which sees the real site-packages.
-    """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    result = subprocess.run(
-        [sys.executable, "-c", _QUERY], env=env, capture_output=True, text=True, cwd="/", check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            "tf_adasum builds its ops against the installed TensorFlow, but "
-            f"`{sys.executable} -c 'import tensorflow'` failed:\n{result.stderr[-2000:]}\n"
-            "Install TensorFlow first, for example `pip install tensorflow-cpu==2.21.0`."
+
+def cpu_paths(machine: str, arch_flags: list[str]) -> dict[str, list[str]]:
+    """The CPU paths to build for `machine`, each with its own flags."""
+    if arch_flags:
+        return {"custom": []}  # the host flags go to every file; one path
+    return dict(X86_64_PATHS) if machine == "x86_64" else {"portable": []}
+
+
+@dataclass
+class Step:
+    """One compiler run: what it builds, and its command."""
+
+    source: str  # for messages: "kernels/adasum_cpu_path.cc (path avx2)"
+    command: list[str]
+    output: str
+    path_object: bool = False  # an object of one CPU path: must define no weak symbol
+
+
+@dataclass
+class Plan:
+    steps: list[Step]
+    link: list[str]
+    info: dict[str, object] = field(default_factory=dict)
+
+
+def compiler_version(compiler: list[str]) -> str:
+    result = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False)
+    return (result.stdout.splitlines() or ["unknown"])[0]
+
+
+def plan_build(
+    output: Path,
+    build_dir: Path,
+    tf: TensorFlowBuild,
+    compiler: list[str],
+    arch_flags: list[str],
+    nvcc: str | None = None,
+) -> Plan:
+    """The compiler runs and the link that build the library at `output`."""
+    machine = target_machine(compiler)
+    paths = cpu_paths(machine, arch_flags)
+    version_define = f'-DTF_ADASUM_BUILT_FOR_TF="{tf.version}"'
+    common = [*CODEGEN, *arch_flags, *tf.compile_flags]
+    custom = ["-DADASUM_CPU_PATH_CUSTOM"] if arch_flags else []
+    steps = []
+    for name, flags in paths.items():
+        obj = str(build_dir / f"adasum_cpu_path_{name}.o")
+        command = [*compiler, *common, *custom, *flags, f"-DADASUM_CPU_PATH={name}"]
+        steps.append(
+            Step(
+                f"kernels/{PATH_SOURCE} (path {name})",
+                [*command, "-c", str(KERNELS / PATH_SOURCE), "-o", obj],
+                obj,
+                True,
+            )
         )
-    version, cflags, lflags, has_cuda = json.loads(result.stdout.strip().splitlines()[-1])
-    return version, cflags, lflags, has_cuda
-
-
-class BuildAdasumOps(build_ext):
-    """Compiles the ops with $CXX (default g++) and TensorFlow's own flags instead of distutils' defaults."""
-
-    def get_ext_filename(self, fullname: str) -> str:
-        # A plain `_adasum_ops.so`, without the interpreter tag: the library depends on TensorFlow's
-        # ABI, not Python's. setuptools calls this with both the dotted and the bare name.
-        return os.path.join(*fullname.split(".")[:-1], Path(LIBRARY).name)
-
-    def build_extension(self, ext: Extension) -> None:
-        version, cflags, lflags, tf_has_cuda = tensorflow_build_info()
-        output = Path(self.get_ext_fullpath(ext.name))
-        output.parent.mkdir(parents=True, exist_ok=True)
-        build_dir = ROOT / "build"
-        build_dir.mkdir(exist_ok=True)
-        log_path = build_dir / "adasum_build.log"
-        arch = shlex.split(os.environ.get("TF_ADASUM_ARCH_FLAGS", "-march=native"))
-        compiler = shlex.split(os.environ.get("CXX") or "g++")
-        nvcc, plan = cuda_plan(tf_has_cuda, [f[2:] for f in cflags if f.startswith("-I")])
-        # TensorFlow's own headers trip these two warnings by the hundred.
-        quiet = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
-        # No FMA contraction: fma(ca, a, cb * b) would differ from fma(cb, b, ca * a), and Adasum must be
-        # bitwise symmetric.
-        common = [
+    for source in CORE_SOURCES:
+        obj = str(build_dir / (Path(source).stem + ".o"))
+        command = [*compiler, *common, *custom, f"-I{build_dir}", "-c", str(KERNELS / source), "-o", obj]
+        steps.append(Step(f"kernels/{source}", command, obj))
+    adapter = [*compiler, *common, version_define]
+    if nvcc:
+        # Eigen includes cuda_runtime.h itself; TensorFlow's GPU wheel carries CUDA's headers here.
+        adapter += ["-DGOOGLE_CUDA=1", *[f"-I{d}/third_party/gpus/cuda/include" for d in tf.include_dirs]]
+    obj = str(build_dir / "adasum_ops.o")
+    steps.append(
+        Step(f"kernels/{ADAPTER_SOURCE}", [*adapter, "-c", str(KERNELS / ADAPTER_SOURCE), "-o", obj], obj)
+    )
+    link_cuda: list[str] = []
+    if nvcc:
+        obj = str(build_dir / "adasum_cuda.o")
+        archs = shlex.split(os.environ.get("TF_ADASUM_CUDA_ARCHS", CUDA_ARCHS))
+        # No TensorFlow header in this one: plain nvcc, exact roundings (see adasum_cuda.cu).
+        command = [
+            nvcc,
             "-O3",
+            "-std=c++17",
+            "-Xcompiler",
             "-fPIC",
-            "-ffp-contract=off",
-            "-Wall",
-            *quiet,
-            *arch,
-            f'-DTF_ADASUM_BUILT_FOR_TF="{version}"',
-            *cflags,
+            *archs,
+            "-c",
+            str(KERNELS / CUDA_SOURCE),
+            "-o",
+            obj,
         ]
-        if nvcc:
-            # Eigen includes cuda_runtime.h itself; TensorFlow's GPU wheel carries CUDA's headers here.
-            cuda_headers = [f"{f}/third_party/gpus/cuda/include" for f in cflags if f.startswith("-I")]
-            common += ["-DGOOGLE_CUDA=1", *cuda_headers]
-        commands = [
-            [*compiler, *common, "-c", str(ROOT / src), "-o", str(build_dir / (Path(src).stem + ".o"))]
-            for src in SOURCES
-        ]
-        objects = [command[-1] for command in commands]
-        link_cuda: list[str] = []
-        if nvcc:
-            cuda_object = str(build_dir / "adasum_cuda.o")
-            archs = shlex.split(os.environ.get("TF_ADASUM_CUDA_ARCHS", CUDA_ARCHS))
-            # No TensorFlow header in this one: plain nvcc, exact roundings (see adasum_cuda.cu).
-            nvcc_flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", *archs]
-            commands.append([nvcc, *nvcc_flags, "-c", str(ROOT / CUDA_SOURCE), "-o", cuda_object])
-            objects.append(cuda_object)
-            # The CUDA runtime linked in statically: the library needs no libcudart of nvcc's version.
-            cuda_lib = cuda_root(nvcc) / "lib64"
-            link_cuda = [f"-L{cuda_lib}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread"]
-        print(f"tf_adasum: {plan}", file=sys.stderr)
-        with open(log_path, "w") as log:
-            log.write(f"tf_adasum: {plan}\n")
-            log.flush()
-            # The translation units compile in parallel; the TensorFlow one dominates.
-            compiles = [subprocess.Popen(c, stdout=log, stderr=subprocess.STDOUT) for c in commands]
-            failed = [p.args for p in compiles if p.wait() != 0]
-            if not failed:
-                link = [*compiler, "-shared", *objects, "-o", str(output), *lflags, *link_cuda]
-                log.write(" ".join(link) + "\n")
-                log.flush()
-                if subprocess.run(link, stdout=log, stderr=subprocess.STDOUT, check=False).returncode != 0:
-                    failed = [link]
-        if failed:
-            sys.stderr.write(log_path.read_text()[-6000:])
-            raise RuntimeError(f"building {LIBRARY} failed; the full compiler output is in {log_path}")
+        steps.append(Step(f"kernels/{CUDA_SOURCE}", command, obj))
+        # The CUDA runtime linked in statically: the library needs no libcudart of nvcc's version.
+        link_cuda = [f"-L{cuda_root(nvcc) / 'lib64'}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread"]
+    link = [*compiler, "-shared", *[s.output for s in steps], "-o", str(output), *tf.link_flags, *link_cuda]
+    info = {
+        "tensorflow": tf.version,
+        "compiler": compiler_version(compiler),
+        "machine": machine,
+        "arch_flags": arch_flags,
+        "cpu_paths": paths,
+        "flags": [*CODEGEN, *arch_flags],
+        "tensorflow_flags": tf.compile_flags,
+        "cuda": bool(nvcc),
+    }
+    return Plan(steps, link, info)
 
 
-setup(
-    ext_modules=[Extension("tf_adasum._adasum_ops", sources=SOURCES)],
-    cmdclass={"build_ext": BuildAdasumOps},
-)
+def weak_symbols(obj: str, compiler: list[str]) -> list[str] | None:
+    """The weak (W, V) and unique (u) symbols an object defines, by the compiler's nm; None where no nm
+    can read it."""
+    nm_name = subprocess.run([*compiler, "-print-prog-name=nm"], capture_output=True, text=True, check=False)
+    nm = shutil.which(nm_name.stdout.strip() or "nm") or shutil.which("nm")
+    if nm is None:
+        return None
+    listing = subprocess.run([nm, "-C", "--defined-only", obj], capture_output=True, text=True, check=False)
+    if listing.returncode != 0:
+        return None
+    return [line for line in listing.stdout.splitlines() if line[17:19] in ("W ", "V ", "u ")]
+
+
+_ERROR = re.compile(r"^(?P<file>[^\s:][^:]*):(?P<line>\d+):(?:\d+:)? (?:fatal )?error: (?P<what>.*)$", re.M)
+
+
+def explain_failure(step: Step, output: str, compiler: list[str], arch_flags: list[str]) -> str:
+    """What failed, where, with which flags, and what to set: for the error a failed build raises."""
+    found = _ERROR.search(output)
+    where = f"{found['file']}:{found['line']}: {found['what']}" if found else output.strip()[-600:]
+    message = f"compiling {step.source} with {compiler[0]} failed at {where}"
+    if not arch_flags:
+        return (
+            f"{message}. This is the portable default build (no host flags); the full command is in "
+            "build/adasum_build.log: please report it with that log."
+        )
+    message += f". The flags beyond TensorFlow's own were TF_ADASUM_ARCH_FLAGS={shlex.join(arch_flags)!r}"
+    header = found["file"] if found else ""
+    if "Eigen" in header and "FP16" in header:
+        macros = subprocess.run(
+            [*compiler, *arch_flags, "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        if "__AVX512FP16__" in macros:
+            message += (
+                f", which turn on AVX512-FP16 on this CPU; TensorFlow's bundled Eigen ({Path(header).name}) "
+                "does not compile under g++ with it. Add -mno-avx512fp16 to TF_ADASUM_ARCH_FLAGS"
+            )
+    return (
+        f"{message}. Unset TF_ADASUM_ARCH_FLAGS for the portable build, which passes no host flag to "
+        "TensorFlow's headers and picks the CPU's instruction set at run time."
+    )
+
+
+def build_header(build_dir: Path, info: dict[str, object]) -> None:
+    """build/adasum_build_info.h: the build's description, which tf_adasum.ops.build_info() returns."""
+    text = json.dumps(info)
+    (build_dir / "adasum_build_info.h").write_text(
+        f'#define TF_ADASUM_BUILD_INFO R"tf_adasum_json({text})tf_adasum_json"\n'
+    )
+
+
+def run_steps(steps: list[Step], log, jobs: int) -> tuple[Step, int] | None:
+    """Runs the compiler steps, `jobs` at a time; returns the first failure (step, its log offset)."""
+    pending = list(steps)
+    running: list[tuple[Step, subprocess.Popen, Path]] = []
+    failed = None
+    while pending or running:
+        while pending and len(running) < jobs and failed is None:
+            step = pending.pop(0)
+            out = Path(step.output + ".log")
+            with open(out, "w") as handle:
+                running.append(
+                    (step, subprocess.Popen(step.command, stdout=handle, stderr=subprocess.STDOUT), out)
+                )
+        step, process, out = running.pop(0)
+        code = process.wait()
+        log.write(shlex.join(step.command) + "\n" + out.read_text())
+        log.flush()
+        if code != 0 and failed is None:
+            failed = (step, code)
+        if failed is not None and not running:
+            pending.clear()
+    return failed
+
+
+def build_library(
+    output: Path,
+    build_dir: Path,
+    tf: TensorFlowBuild,
+    compiler: list[str],
+    arch_flags: list[str],
+    nvcc: str | None = None,
+    plan_note: str = "",
+) -> dict[str, object]:
+    """Compiles and links the library at `output`; returns the build's description.
+
+    Raises:
+        RuntimeError: a compile or link failed; the message says which file, where and what to set.
+    """
+    output.parent.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log_path = build_dir / "adasum_build.log"
+    plan = plan_build(output, build_dir, tf, compiler, arch_flags, nvcc)
+    build_header(build_dir, plan.info)
+    with open(log_path, "w") as log:
+        if plan_note:
+            log.write(f"tf_adasum: {plan_note}\n")
+        log.write(f"tf_adasum: CPU paths {', '.join(plan.info['cpu_paths'])} for {plan.info['machine']}\n")
+        failure = run_steps(plan.steps, log, jobs=max(1, os.cpu_count() or 1))
+        if failure is not None:
+            step, _ = failure
+            text = Path(step.output + ".log").read_text()
+            raise RuntimeError(
+                f"building {output.name} failed: {explain_failure(step, text, compiler, arch_flags)} "
+                f"(full compiler output: {log_path})"
+            )
+        for step in (s for s in plan.steps if s.path_object):
+            weak = weak_symbols(step.output, compiler)
+            if weak is None:
+                log.write(f"tf_adasum: no nm reads {step.output}: its symbols are not checked\n")
+            elif weak:
+                raise RuntimeError(
+                    f"{step.source} defines weak symbols, which the linker could merge with another path's "
+                    f"copy so that one path runs another's instructions: {weak[:5]}; give them internal "
+                    "linkage (kernels/adasum_cpu_paths.h)"
+                )
+        log.write(shlex.join(plan.link) + "\n")
+        log.flush()
+        linked = subprocess.run(plan.link, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if linked.returncode != 0:
+        raise RuntimeError(f"linking {output.name} failed; the full output is in {log_path}")
+    return plan.info
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it for build_library
+    from setuptools import Extension, setup
+    from setuptools.command.build_ext import build_ext
+
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel
+    except ImportError:  # setuptools < 70.1
+        from wheel.bdist_wheel import bdist_wheel
+
+    class BuildAdasumOps(build_ext):
+        """Compiles the ops with $CXX (default g++) and TensorFlow's own flags, not distutils' defaults."""
+
+        def get_ext_filename(self, fullname: str) -> str:
+            # A plain `_adasum_ops.so`, without the interpreter tag: the library depends on TensorFlow's
+            # ABI, not Python's. setuptools calls this with both the dotted and the bare name.
+            return os.path.join(*fullname.split(".")[:-1], Path(LIBRARY).name)
+
+        def build_extension(self, ext: Extension) -> None:
+            tf = tensorflow_build_info()
+            nvcc, note = cuda_plan(tf.with_cuda, tf.include_dirs)
+            print(f"tf_adasum: {note}", file=sys.stderr)
+            try:
+                build_library(
+                    Path(self.get_ext_fullpath(ext.name)),
+                    ROOT / "build",
+                    tf,
+                    shlex.split(os.environ.get("CXX") or "g++"),
+                    shlex.split(os.environ.get("TF_ADASUM_ARCH_FLAGS", "")),
+                    nvcc,
+                    note,
+                )
+            except RuntimeError as error:
+                sys.stderr.write((ROOT / "build" / "adasum_build.log").read_text()[-6000:] + "\n")
+                raise RuntimeError(str(error)) from None
+
+    class PlatformWheel(bdist_wheel):
+        """py3-none-<platform>: the library is loaded by TensorFlow, not by Python, so it serves every
+        Python that TensorFlow 2.21 serves, on this platform only."""
+
+        def get_tag(self) -> tuple[str, str, str]:
+            return ("py3", "none", super().get_tag()[2])
+
+    setup(
+        ext_modules=[
+            Extension(
+                "tf_adasum._adasum_ops",
+                sources=[f"kernels/{s}" for s in [*CORE_SOURCES, PATH_SOURCE, ADAPTER_SOURCE]],
+            )
+        ],
+        cmdclass={"build_ext": BuildAdasumOps, "bdist_wheel": PlatformWheel},
+    )

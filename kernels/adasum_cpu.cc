@@ -1,285 +1,140 @@
 // CPU core of the Adasum ops. No TensorFlow header: the adapter passes raw pointers and a
 // ParallelFor backed by TensorFlow's CPU thread pool.
+//
+// This file is built for the architecture's baseline. It cuts the work into fixed blocks, runs them on
+// threads, adds the blocks' partial sums in block order, and calls the hot loops of the CPU path chosen
+// at run time (kernels/adasum_cpu_paths.h): the widest instruction set this CPU has, or the one that
+// $TF_ADASUM_CPU_PATH or tf_adasum_set_cpu_path names.
 #include <algorithm>
-#include <cmath>
+#include <atomic>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "adasum_core.h"
+#include "adasum_cpu_paths.h"
+#include "adasum_dtypes.h"
 
 #if defined(__SSE__)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) && !defined(ADASUM_CPU_PATH_CUSTOM)
+#include <cpuid.h>
+#endif
+
+// What setup.py built, as JSON: the compiler, each translation unit's flags, the TensorFlow version.
+#if __has_include("adasum_build_info.h")
+#include "adasum_build_info.h"
+#else
+#define TF_ADASUM_BUILD_INFO "{}"
 #endif
 
 namespace adasum {
 namespace {
 
-// Eight independent accumulators per quantity. They let the compiler keep the float64 sums in
-// vector registers without reassociating (no -ffast-math), so the result does not depend on the
-// compiler's vectorization choices.
-constexpr int kLanes = 8;
+static_assert(ADASUM_FLOAT16 == 0 && ADASUM_BFLOAT16 == 1 && ADASUM_FLOAT32 == 2 && ADASUM_FLOAT64 == 3,
+              "CpuPath's tables are indexed by these codes");
+
+template <typename T>
+constexpr int kDtypeCode = std::is_same_v<T, Half>       ? ADASUM_FLOAT16
+                           : std::is_same_v<T, BFloat16> ? ADASUM_BFLOAT16
+                           : std::is_same_v<T, float>    ? ADASUM_FLOAT32
+                                                         : ADASUM_FLOAT64;
+
+// ---------------------------------------------------------------------------------------------------
+// Choosing the path.
+
+struct PathEntry {
+  const CpuPath* path;
+  bool supported;  // this CPU (and its operating system) can run it
+};
+
+#if defined(__x86_64__) && !defined(ADASUM_CPU_PATH_CUSTOM)
+struct X86Features {
+  bool avx2 = false;        // with FMA and F16C, and YMM state enabled by the OS
+  bool avx512 = false;      // F, DQ, BW, VL, and ZMM state enabled by the OS
+  bool avx512bf16 = false;  // AVX512_BF16
+};
+
+// From CPUID and XGETBV directly (not __builtin_cpu_supports): the same answer under g++ and clang, and
+// the operating system's consent to the wide registers is part of it.
+X86Features DetectX86() {
+  X86Features f;
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return f;
+  const bool fma = ecx & (1u << 12), osxsave = ecx & (1u << 27), avx = ecx & (1u << 28), f16c = ecx & (1u << 29);
+  if (!(osxsave && avx)) return f;
+  unsigned xcr0, xcr0_high;
+  __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
+  const bool ymm_state = (xcr0 & 0x06) == 0x06;  // SSE and AVX state
+  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;  // and the opmask, ZMM_Hi256 and Hi16_ZMM state
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return f;
+  const unsigned leaf7_subleaves = eax;
+  const bool avx2 = ebx & (1u << 5);
+  const bool avx512 = (ebx & (1u << 16)) && (ebx & (1u << 17)) && (ebx & (1u << 30)) && (ebx & (1u << 31));
+  f.avx2 = ymm_state && avx2 && fma && f16c;
+  f.avx512 = f.avx2 && zmm_state && avx512;
+  if (f.avx512 && leaf7_subleaves >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) {
+    f.avx512bf16 = eax & (1u << 5);
+  }
+  return f;
+}
+#endif
+
+// Every path this library holds, narrowest first.
+const std::vector<PathEntry>& Paths() {
+  static const std::vector<PathEntry> paths = [] {
+#if defined(ADASUM_CPU_PATH_CUSTOM)
+    return std::vector<PathEntry>{{&cpu_paths::custom, true}};
+#elif defined(__x86_64__)
+    const X86Features f = DetectX86();
+    return std::vector<PathEntry>{{&cpu_paths::portable, true},
+                                  {&cpu_paths::avx2, f.avx2},
+                                  {&cpu_paths::avx512, f.avx512},
+                                  {&cpu_paths::avx512bf16, f.avx512bf16}};
+#else
+    return std::vector<PathEntry>{{&cpu_paths::portable, true}};
+#endif
+  }();
+  return paths;
+}
+
+const CpuPath* WidestSupported() {
+  const CpuPath* widest = nullptr;
+  for (const PathEntry& entry : Paths()) {
+    if (entry.supported) widest = entry.path;
+  }
+  return widest;
+}
+
+std::atomic<const CpuPath*> active_path{nullptr};
+
+// One load per call: a call runs wholly on one path even if another thread switches paths meanwhile.
+const CpuPath& ActivePath() {
+  const CpuPath* path = active_path.load(std::memory_order_acquire);
+  if (path == nullptr) {
+    const CpuPath* expected = nullptr;
+    active_path.compare_exchange_strong(expected, WidestSupported(), std::memory_order_acq_rel);
+    path = active_path.load(std::memory_order_acquire);
+  }
+  return *path;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Blocks and threads.
 
 // Below this many elements in a whole call, the thread hand-off costs more than it saves.
 constexpr int64_t kMinParallelElements = int64_t{1} << 17;
 
-inline float BFloat16ToFloat(BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline BFloat16 FloatToBFloat16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return BFloat16{static_cast<uint16_t>(bits >> 16)};
-}
-
-inline float HalfToFloat(Half x) {
-#if defined(__F16C__)
-  return _cvtsh_ss(x.bits);
-#else
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
-  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
-  const uint32_t mantissa = x.bits & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0) {
-    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
-    std::memcpy(&bits, &f, sizeof(bits));
-    bits |= sign;
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
-
-inline Half FloatToHalf(float f) {
-#if defined(__F16C__)
-  return Half{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
-#else
-  // Round to nearest even without a hardware converter (after F. Giesen's float_to_half_fast3_rtne).
-  uint32_t x;
-  std::memcpy(&x, &f, sizeof(x));
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u))};
-  if (ax >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {
-    // Result is subnormal: adding 0.5 puts the half's ulp (2^-24) at the float's ulp, and the FPU
-    // rounds to nearest even for us.
-    float af;
-    std::memcpy(&af, &ax, sizeof(af));
-    af += 0.5f;
-    uint32_t r;
-    std::memcpy(&r, &af, sizeof(r));
-    return Half{static_cast<uint16_t>(sign | (r - 0x3f000000u))};
-  }
-  const uint32_t odd = (ax >> 13) & 1u;
-  ax += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
-  return Half{static_cast<uint16_t>(sign | (ax >> 13))};
-#endif
-}
-
-// Rounds to float with round-to-odd. Rounding that result to a type of at most 22 significant bits
-// (half, bfloat16) then equals one correct rounding of d: no double-rounding error.
-inline float RoundToOddFloat(double d) {
-  float f = static_cast<float>(d);
-  const double back = static_cast<double>(f);
-  if (back != d && std::isfinite(f)) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    if ((back > 0 ? back : -back) > (d > 0 ? d : -d)) bits -= 1;  // rounded away from zero: truncate
-    bits |= 1u;
-    std::memcpy(&f, &bits, sizeof(f));
-  }
-  return f;
-}
-
-// Per storage type: conversions to and from float64. Every dtype can be combined in float64; the half
-// types normally take the float32 path below instead.
-template <typename T>
-struct Element;
-
-template <>
-struct Element<double> {
-  static double Load(double x) { return x; }
-  static double Store(double x) { return x; }
-};
-
-template <>
-struct Element<float> {
-  static double Load(float x) { return x; }
-  static float Store(double x) { return static_cast<float>(x); }
-};
-
-template <>
-struct Element<BFloat16> {
-  static double Load(BFloat16 x) { return BFloat16ToFloat(x); }
-  static BFloat16 Store(double x) { return FloatToBFloat16(RoundToOddFloat(x)); }
-};
-
-template <>
-struct Element<Half> {
-  static double Load(Half x) { return HalfToFloat(x); }
-  static Half Store(double x) { return FloatToHalf(RoundToOddFloat(x)); }
-};
-
-// Widens kLanes consecutive elements to float64.
-template <typename T>
-inline void LoadLanes(const T* p, double* out) {
-  for (int j = 0; j < kLanes; ++j) out[j] = Element<T>::Load(p[j]);
-}
-
-#if defined(__F16C__)
-template <>
-inline void LoadLanes<Half>(const Half* p, double* out) {
-  static_assert(kLanes == 8, "one F16C conversion covers 8 halves");
-  float f[kLanes];
-  _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  for (int j = 0; j < kLanes; ++j) out[j] = f[j];
-}
-#endif
-
-template <typename T>
-void DotNormsSpan(const T* a, const T* b, int64_t n, double* result) {
-  double dot[kLanes] = {}, a_sq[kLanes] = {}, b_sq[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    double x[kLanes], y[kLanes];
-    LoadLanes(a + i, x);
-    LoadLanes(b + i, y);
-    for (int j = 0; j < kLanes; ++j) {
-      dot[j] += x[j] * y[j];
-      a_sq[j] += x[j] * x[j];
-      b_sq[j] += y[j] * y[j];
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
-    const double x = Element<T>::Load(a[i]), y = Element<T>::Load(b[i]);
-    dot[j] += x * y;
-    a_sq[j] += x * x;
-    b_sq[j] += y * y;
-  }
-  result[0] = result[1] = result[2] = 0.0;
-  for (int j = 0; j < kLanes; ++j) {
-    result[0] += dot[j];
-    result[1] += a_sq[j];
-    result[2] += b_sq[j];
-  }
-}
-
-// A float32 call whose output is at least this large writes it with non-temporal stores (with AVX;
-// other dtypes ignore it): the output then costs no read of its old contents and does not push the
+// A float32 call whose output is at least this large writes it with non-temporal stores (on paths with
+// AVX; other dtypes ignore it): the output then costs no read of its old contents and does not push the
 // inputs out of the last-level cache. Smaller outputs stay in cache for whatever reads them next.
 constexpr int64_t kStreamingBytes = int64_t{8} << 20;
 
-template <typename T>
-void CombineSpanFloat64(const T* a, const T* b, double ca, double cb, T* out, int64_t n, bool /*stream*/) {
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = Element<T>::Store(ca * Element<T>::Load(a[i]) + cb * Element<T>::Load(b[i]));
-  }
-}
-
-#if defined(__AVX__)
-// float32 combined in float64. With `stream`, eight lanes at a time with the scalar loop's operations
-// (widen, two products, one sum, one rounding to float; no FMA), so the same bits, the output streamed
-// past the caches.
-template <>
-inline void CombineSpanFloat64<float>(const float* a, const float* b, double ca, double cb, float* out, int64_t n,
-                                      bool stream) {
-  const __m256d vca = _mm256_set1_pd(ca), vcb = _mm256_set1_pd(cb);
-  auto half = [&](__m128 x, __m128 y) {
-    return _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(vca, _mm256_cvtps_pd(x)), _mm256_mul_pd(vcb, _mm256_cvtps_pd(y))));
-  };
-  auto eight = [&](int64_t k) {
-    const __m256 x = _mm256_loadu_ps(a + k), y = _mm256_loadu_ps(b + k);
-    const __m128 lo = half(_mm256_castps256_ps128(x), _mm256_castps256_ps128(y));
-    const __m128 hi = half(_mm256_extractf128_ps(x, 1), _mm256_extractf128_ps(y, 1));
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
-  };
-  auto one = [&](int64_t k) { out[k] = static_cast<float>(ca * static_cast<double>(a[k]) + cb * static_cast<double>(b[k])); };
-  if (!stream) {  // the compiler's own vectorisation of the scalar loop
-    for (int64_t i = 0; i < n; ++i) one(i);
-    return;
-  }
-  int64_t i = 0;
-  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 31) != 0; ++i) one(i);
-  for (; i + 8 <= n; i += 8) _mm256_stream_ps(out + i, eight(i));
-  _mm_sfence();  // the streamed stores are visible before the op completes
-  for (; i < n; ++i) one(i);
-}
-#endif
-
-inline float ToFloat(Half x) { return HalfToFloat(x); }
-inline float ToFloat(BFloat16 x) { return BFloat16ToFloat(x); }
-inline void FromFloat(float x, Half* out) { *out = FloatToHalf(x); }
-inline void FromFloat(float x, BFloat16* out) { *out = FloatToBFloat16(x); }
-
-#if defined(__F16C__) && defined(__AVX2__)
-inline __m256 Load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-inline void Store8(__m256 v, Half* p) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
-inline __m256 Load8(const BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// Eight lanes of FloatToBFloat16: round to nearest even, NaN kept quiet.
-inline void Store8(__m256 v, BFloat16* p) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256i quiet_nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  const __m256i top = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet_nan, is_nan), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-#endif
-
-// The float32 path for the half types. The vector and scalar loops round identically (products and
-// sum in float32, no FMA, one round-to-nearest-even on output).
-template <typename T>
-void CombineSpanFloat32(const T* a, const T* b, float ca, float cb, T* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__) && defined(__AVX2__)
-  const __m256 vca = _mm256_set1_ps(ca), vcb = _mm256_set1_ps(cb);
-  for (; i + 8 <= n; i += 8) {
-    Store8(_mm256_add_ps(_mm256_mul_ps(vca, Load8(a + i)), _mm256_mul_ps(vcb, Load8(b + i))), out + i);
-  }
-#endif
-  for (; i < n; ++i) FromFloat(ca * ToFloat(a[i]) + cb * ToFloat(b[i]), out + i);
-}
-
-template <typename T>
-constexpr bool kIsHalfType = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
-
-// float32 and float64 are combined in float64; the half types in float32 while the coefficients allow.
-template <typename T>
-void CombineSpan(const T* a, const T* b, double ca, double cb, T* out, int64_t n, bool stream) {
-  if constexpr (kIsHalfType<T>) {
-    if (CombineInFloat32(ca, cb)) {
-      CombineSpanFloat32(a, b, static_cast<float>(ca), static_cast<float>(cb), out, n);
-      return;
-    }
-  }
-  CombineSpanFloat64(a, b, ca, cb, out, n, stream);
-}
-
-// TensorFlow runs kernels with flush-to-zero and denormals-are-zero set. Adasum must keep values near
-// the smallest normal (bfloat16 and float32 inputs near finfo.tiny are subnormal once combined), so the
-// core restores IEEE gradual underflow on each thread for the duration of its work.
+// TensorFlow runs kernels with flush-to-zero and denormals-are-zero set (FZ on Arm). Adasum must keep
+// values near the smallest normal (bfloat16 and float32 inputs near finfo.tiny are subnormal once
+// combined), so the core restores IEEE gradual underflow on each thread for the duration of its work.
 class ScopedGradualUnderflow {
  public:
 #if defined(__SSE__)
@@ -290,6 +145,18 @@ class ScopedGradualUnderflow {
   static constexpr unsigned kFlushToZero = 0x8000;
   static constexpr unsigned kDenormalsAreZero = 0x0040;
   unsigned saved_;
+#elif defined(__aarch64__)
+  ScopedGradualUnderflow() {
+    __asm__ volatile("mrs %0, fpcr" : "=r"(saved_));
+    const uint64_t gradual = saved_ & ~(kFlushToZero | kFlushToZero16);
+    __asm__ volatile("msr fpcr, %0" : : "r"(gradual));
+  }
+  ~ScopedGradualUnderflow() { __asm__ volatile("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  static constexpr uint64_t kFlushToZero = uint64_t{1} << 24;
+  static constexpr uint64_t kFlushToZero16 = uint64_t{1} << 19;
+  uint64_t saved_;
 #endif
 };
 
@@ -324,8 +191,6 @@ void RunBlocks(int64_t total_elements, int64_t n_blocks, int64_t cycles_per_elem
   }
 }
 
-}  // namespace
-
 // Runs span(block, partial) over every block of the tensors, in parallel, where `partial` receives the
 // block's three sums; returns them summed per tensor ([n, 3]), in block order, so the result does not
 // depend on the threads.
@@ -344,11 +209,14 @@ std::vector<double> SumOverBlocks(int n, const int64_t* sizes, const ParallelFor
   return sums;
 }
 
+}  // namespace
+
 template <typename T>
 void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
                  const ParallelFor& parallel_for) {
+  const auto span = ActivePath().dot_norms[kDtypeCode<T>];
   const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
-    DotNormsSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, out);
+    span(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, out);
   });
   std::copy(sums.begin(), sums.end(), dot_norms);
 }
@@ -356,6 +224,7 @@ void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* siz
 template <typename T>
 void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_norms, T* const* out,
                 const int64_t* sizes, const ParallelFor& parallel_for) {
+  const CpuPath& path = ActivePath();
   int64_t total = 0;
   const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
   std::vector<double> coefficients(2 * n);
@@ -367,8 +236,20 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
   RunBlocks(total, static_cast<int64_t>(blocks.size()), 2, parallel_for, [&](int64_t first, int64_t last) {
     for (int64_t k = first; k < last; ++k) {
       const Block& blk = blocks[k];
-      CombineSpan(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, coefficients[2 * blk.tensor],
-                  coefficients[2 * blk.tensor + 1], out[blk.tensor] + blk.begin, blk.end - blk.begin, stream);
+      const double ca = coefficients[2 * blk.tensor], cb = coefficients[2 * blk.tensor + 1];
+      const T* pa = a[blk.tensor] + blk.begin;
+      const T* pb = b[blk.tensor] + blk.begin;
+      T* po = out[blk.tensor] + blk.begin;
+      const int64_t count = blk.end - blk.begin;
+      // float32 and float64 are combined in float64; the half types in float32 while the coefficients
+      // allow (adasum_core.h).
+      if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+        if (CombineInFloat32(ca, cb)) {
+          path.combine32[kDtypeCode<T>](pa, pb, static_cast<float>(ca), static_cast<float>(cb), po, count);
+          continue;
+        }
+      }
+      path.combine64[kDtypeCode<T>](pa, pb, ca, cb, po, count, stream);
     }
   });
 }
@@ -376,11 +257,12 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
 template <typename T>
 void CopyNormsCpu(int n, const T* const* src, const int64_t* sizes, T* const* dst, double* norms,
                   const ParallelFor& parallel_for) {
+  const auto span = ActivePath().dot_norms[kDtypeCode<T>];
   const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
     T* copy = dst[blk.tensor] + blk.begin;
     std::memcpy(copy, src[blk.tensor] + blk.begin, (blk.end - blk.begin) * sizeof(T));
     // The block was just written, so it is read back from cache: one pass over memory.
-    DotNormsSpan<T>(copy, copy, blk.end - blk.begin, out);
+    span(copy, copy, blk.end - blk.begin, out);
   });
   for (int t = 0; t < n; ++t) norms[t] = sums[3 * t + 1];
 }
@@ -399,3 +281,46 @@ ADASUM_INSTANTIATE(double)
 #undef ADASUM_INSTANTIATE
 
 }  // namespace adasum
+
+extern "C" {
+
+// The path the CPU ops run on now.
+const char* tf_adasum_cpu_path() { return adasum::ActivePath().name; }
+
+// Every path this library holds, narrowest first, as "name:1" (this CPU runs it) or "name:0", joined by
+// commas: "portable:1,avx2:1,avx512:0,avx512bf16:0".
+const char* tf_adasum_cpu_paths() {
+  static const std::string listing = [] {
+    std::string joined;
+    for (const adasum::PathEntry& entry : adasum::Paths()) {
+      if (!joined.empty()) joined += ',';
+      joined += entry.path->name;
+      joined += entry.supported ? ":1" : ":0";
+    }
+    return joined;
+  }();
+  return listing.c_str();
+}
+
+// Runs the CPU ops on the path `name` from now on; a null or empty name chooses the widest this CPU
+// runs. Returns 0; -1 when the library holds no such path; -2 when this CPU cannot run it.
+int tf_adasum_set_cpu_path(const char* name) {
+  if (name == nullptr || *name == '\0') {
+    adasum::active_path.store(adasum::WidestSupported(), std::memory_order_release);
+    return 0;
+  }
+  for (const adasum::PathEntry& entry : adasum::Paths()) {
+    if (std::strcmp(entry.path->name, name) == 0) {
+      if (!entry.supported) return -2;
+      adasum::active_path.store(entry.path, std::memory_order_release);
+      return 0;
+    }
+  }
+  return -1;
+}
+
+// How this library was built, as JSON (setup.py writes it): compiler, flags per translation unit,
+// TensorFlow version.
+const char* tf_adasum_build_info() { return TF_ADASUM_BUILD_INFO; }
+
+}  // extern "C"

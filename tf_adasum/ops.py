@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import re
 import warnings
@@ -78,6 +79,9 @@ def _load(path: Path) -> ModuleType:
         module = tf.load_op_library(str(path))
     except tf.errors.NotFoundError as error:
         raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
+    forced = os.environ.get("TF_ADASUM_CPU_PATH")
+    if forced:
+        _set_cpu_path(_c_library(path), forced, "TF_ADASUM_CPU_PATH=")
     if tf.config.list_physical_devices("GPU") and not built_with_cuda(path):
         warnings.warn(
             f"{path} was built without GPU kernels: the fused Adasum ops run on the CPU, and TensorFlow "
@@ -224,9 +228,85 @@ _HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 
 @functools.cache
+def _c_library(path: Path) -> ctypes.CDLL:
+    """The library's C entry points (the same loaded library as TensorFlow's, not a second copy)."""
+    library = ctypes.CDLL(str(path))
+    for name in ("tf_adasum_cpu_path", "tf_adasum_cpu_paths", "tf_adasum_build_info"):
+        getattr(library, name).restype = ctypes.c_char_p
+    library.tf_adasum_set_cpu_path.argtypes = [ctypes.c_char_p]
+    return library
+
+
+def _cpu_paths(library: ctypes.CDLL) -> dict[str, bool]:
+    listing = library.tf_adasum_cpu_paths().decode()
+    return {name: flag == "1" for name, flag in (entry.split(":") for entry in listing.split(","))}
+
+
+def _set_cpu_path(library: ctypes.CDLL, name: str | None, source: str = "") -> None:
+    status = library.tf_adasum_set_cpu_path(name.encode() if name else None)
+    if status == 0:
+        return
+    paths = _cpu_paths(library)
+    runnable = ", ".join(n for n, ok in paths.items() if ok)
+    if status == -1:
+        raise ValueError(
+            f"{source}{name!r}: no such CPU path in this library; it holds {', '.join(paths)}, of which this "
+            f"CPU runs {runnable}"
+        )
+    raise ValueError(
+        f"{source}{name!r}: this CPU lacks the instructions of that path; it runs {runnable} (the build "
+        "holds more paths than a CPU needs, and picks the widest it runs)"
+    )
+
+
+def cpu_path() -> str:
+    """The CPU path the ops run on now: "portable", "avx2", "avx512", "avx512bf16" (x86-64), or
+    "custom" for a build with TF_ADASUM_ARCH_FLAGS."""
+    return str(_host_library(os.environ.get("TF_ADASUM_LIBRARY")).tf_adasum_cpu_path().decode())
+
+
+def set_cpu_path(name: str | None) -> str:
+    """Runs the CPU ops on the path `name` from now on (None: the widest this CPU runs); returns the
+    path before. Every path gives the same bits, so this is for tests, benchmarks and debugging;
+    `TF_ADASUM_CPU_PATH=<name>` does the same when the library loads.
+
+    Raises:
+        ValueError: the library holds no such path, or this CPU cannot run it; the message lists those
+            it can.
+    """
+    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
+    before = library.tf_adasum_cpu_path().decode()
+    _set_cpu_path(library, name)
+    return str(before)
+
+
+def build_info() -> dict[str, Any]:
+    """How the loaded ops were built, and what they run on here.
+
+    Returns:
+        A dict: "tensorflow" (the version the library was built for), "compiler", "machine" (the target
+        architecture), "flags" (the code-generation flags of every file), "arch_flags"
+        (TF_ADASUM_ARCH_FLAGS at build time, [] for the portable build), "cpu_paths" (each path the
+        library holds, with its own flags), "cuda" (GPU kernels built), and, from this process:
+        "cpu_path" (the path in use), "cpu_paths_runnable" (which paths this CPU runs), "library" (the
+        file).
+
+    Example:
+        >>> tf_adasum.ops.build_info()["cpu_path"]  # "avx2" on a CPU with AVX2 and no AVX-512
+    """
+    path = _library_path(os.environ.get("TF_ADASUM_LIBRARY"))
+    library = _host(path)
+    info: dict[str, Any] = json.loads(library.tf_adasum_build_info().decode())
+    info["cpu_path"] = library.tf_adasum_cpu_path().decode()
+    info["cpu_paths_runnable"] = _cpu_paths(library)
+    info["library"] = str(path)
+    return info
+
+
+@functools.cache
 def _host(path: Path) -> ctypes.CDLL:
     _load(path)  # the same checks first: present, and built for this TensorFlow
-    library = ctypes.CDLL(str(path))
+    library = _c_library(path)
     # Every pointer (buffers, bounds, results) travels as void*; counts, dtype codes and threads as int.
     pointer, count = ctypes.c_void_p, ctypes.c_int
     library.tf_adasum_segment_dot_norms.argtypes = [count, pointer, pointer, pointer, count, pointer, count]
