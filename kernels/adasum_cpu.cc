@@ -134,7 +134,9 @@ constexpr int64_t kStreamingBytes = int64_t{8} << 20;
 
 // TensorFlow runs kernels with flush-to-zero and denormals-are-zero set (FZ on Arm). Adasum must keep
 // values near the smallest normal (bfloat16 and float32 inputs near finfo.tiny are subnormal once
-// combined), so the core restores IEEE gradual underflow on each thread for the duration of its work.
+// combined), so the core restores IEEE gradual underflow for the duration of its work: on the calling
+// thread for the whole call (the blocks' partial sums are added there, and a subnormal partial sum
+// would otherwise read as zero), and on each pool thread for its blocks.
 class ScopedGradualUnderflow {
  public:
 #if defined(__SSE__)
@@ -214,6 +216,7 @@ std::vector<double> SumOverBlocks(int n, const int64_t* sizes, const ParallelFor
 template <typename T>
 void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* sizes, double* dot_norms,
                  const ParallelFor& parallel_for) {
+  ScopedGradualUnderflow guard;
   const auto span = ActivePath().dot_norms[kDtypeCode<T>];
   const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
     span(a[blk.tensor] + blk.begin, b[blk.tensor] + blk.begin, blk.end - blk.begin, out);
@@ -224,6 +227,7 @@ void DotNormsCpu(int n, const T* const* a, const T* const* b, const int64_t* siz
 template <typename T>
 void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_norms, T* const* out,
                 const int64_t* sizes, const ParallelFor& parallel_for) {
+  ScopedGradualUnderflow guard;
   const CpuPath& path = ActivePath();
   int64_t total = 0;
   const std::vector<Block> blocks = CutIntoBlocks(n, sizes, &total);
@@ -257,6 +261,7 @@ void CombineCpu(int n, const T* const* a, const T* const* b, const double* dot_n
 template <typename T>
 void CopyNormsCpu(int n, const T* const* src, const int64_t* sizes, T* const* dst, double* norms,
                   const ParallelFor& parallel_for) {
+  ScopedGradualUnderflow guard;
   const auto span = ActivePath().dot_norms[kDtypeCode<T>];
   const std::vector<double> sums = SumOverBlocks(n, sizes, parallel_for, [&](const Block& blk, double* out) {
     T* copy = dst[blk.tensor] + blk.begin;

@@ -396,3 +396,13 @@ def test_results_are_bitwise_the_same_with_one_or_four_threads(tmp_path: Any) ->
         results.append(list(np.load(path).values()))
     for one, four in zip(*results, strict=True):
         np.testing.assert_array_equal(one, four)
+
+
+def test_subnormal_sums_survive_tensorflows_flush_to_zero() -> None:
+    # TensorFlow runs kernels with FTZ and DAZ set. 1e-160 squared is 1e-320, a float64 subnormal: the
+    # kernels must return it, not zero, whether one block or several add up to it.
+    tiny = np.full(3 * 2**15 + 5, 1e-160)
+    got = ops.adasum_dot_norms(
+        [tf.constant(tiny[:1]), tf.constant(tiny)], [tf.constant(tiny[:1]), tf.constant(tiny)]
+    )
+    np.testing.assert_array_equal(got.numpy(), [[1e-320] * 3, [tiny.size * 1e-320] * 3])
