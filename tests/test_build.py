@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests.test_cpu_paths import COEFFICIENTS, DTYPES, _every_exponent, _row
+from tests.cases import COEFFICIENTS, coefficient_row, every_exponent
 from tf_adasum import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ def _core_objects(compiler: list[str], folder: Path, machine: str, extra: list[s
 
 
 def _driver_input(dtype: str, a: np.ndarray, b: np.ndarray, bounds: list[int]) -> bytes:
-    crafted = np.array([[_row(ca, cb)] * (len(bounds) - 1) for ca, cb in COEFFICIENTS], np.float64)
+    crafted = np.array([[coefficient_row(ca, cb)] * (len(bounds) - 1) for ca, cb in COEFFICIENTS], np.float64)
     header = struct.pack("<iiqi", CODES[dtype], len(bounds) - 1, len(a), len(COEFFICIENTS))
     return header + np.asarray(bounds, np.int64).tobytes() + a.tobytes() + b.tobytes() + crafted.tobytes()
 
@@ -169,7 +169,9 @@ def _library_results(dtype: str, a: np.ndarray, b: np.ndarray, bounds: list[int]
         ops.host_segment_combine(a, b, rows, out, bounds, threads=2)
         results.append(out.tobytes())
     for ca, cb in COEFFICIENTS:
-        ops.host_segment_combine(a, b, np.array([_row(ca, cb)] * (len(bounds) - 1)), out, bounds, threads=2)
+        ops.host_segment_combine(
+            a, b, np.array([coefficient_row(ca, cb)] * (len(bounds) - 1)), out, bounds, threads=2
+        )
         results.append(out.tobytes())
     return b"".join(results)
 
@@ -177,8 +179,8 @@ def _library_results(dtype: str, a: np.ndarray, b: np.ndarray, bounds: list[int]
 def _check_driver(run: list[str], label: str) -> None:
     """The driver's output, per dtype, equals the loaded library's on every path this CPU runs."""
     rng = np.random.default_rng(31)
-    for dtype in DTYPES:
-        a, b = _every_exponent(rng, dtype, 5003), _every_exponent(rng, dtype, 5003)
+    for dtype in CODES:
+        a, b = every_exponent(rng, dtype, 5003), every_exponent(rng, dtype, 5003)
         bounds = [0, 1, 18, 1000, 5003]
         result = subprocess.run(
             run, input=_driver_input(dtype, a, b, bounds), capture_output=True, timeout=120, check=False

@@ -12,50 +12,18 @@ import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.cases import CASES, Case
+from tests.cases import CASES, COEFFICIENTS, NUMPY_TYPES, Case, coefficient_row, every_exponent
 from tf_adasum import ops
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
-NUMPY = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 RUNNABLE = ops.build_info()["cpu_paths_runnable"]
 PATHS = [name for name, runs in RUNNABLE.items() if runs]
-# (dot, |a|^2, |b|^2) rows whose coefficients reach every regime: small and large, of both signs, and
-# beyond 2^32, where float16 and bfloat16 are combined in float64 instead of float32.
-COEFFICIENTS = [(0.37, 1.9), (-1.3e-3, 0.5), (5.0e5, -7.25), (2.0**33 + 3.0, 0.75), (1.0, 1.0)]
-
-
-def _row(ca: float, cb: float) -> list[float]:
-    """A (dot, |a|^2, |b|^2) row that gives the coefficients (ca, cb): ca = 1 - dot / (2 |a|^2)."""
-    dot = 2.0 * (1.0 - ca) if ca != 1.0 else 0.5
-    a_sq = dot / (2.0 * (1.0 - ca)) if ca != 1.0 else 0.0  # |a|^2 below the guard: ca is exactly 1
-    b_sq = dot / (2.0 * (1.0 - cb)) if cb != 1.0 else 0.0
-    return [dot, a_sq, b_sq]
-
-
-def _every_exponent(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
-    """n finite values of dtype from random bit patterns: every exponent, subnormals and zeros too."""
-    width = np.dtype(NUMPY[dtype]).itemsize
-    bits = rng.integers(0, 2 ** (8 * width), size=4 * n, dtype=np.uint64).astype(UINT[width])
-    values = bits.view(NUMPY[dtype])
-    with np.errstate(invalid="ignore"):  # NaN patterns
-        values = values[np.isfinite(values.astype(np.float64))]
-    # Keep products and sums finite in float64 and, for float32 and below, in their own range: a few
-    # orders below the largest value.
-    limit = float(np.finfo(np.float32).max) * 1e-12 if dtype in ("float32", "bfloat16") else None
-    if dtype == "float16":
-        limit = 60.0
-    if dtype == "float64":
-        limit = 1e100
-    values = values[np.abs(values.astype(np.float64)) < limit][:n]
-    assert len(values) == n
-    return np.ascontiguousarray(values)
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +42,7 @@ def _host_results(a: np.ndarray, b: np.ndarray, bounds: list[int]) -> list[np.nd
         ops.host_segment_combine(a, b, rows, out, bounds, threads=2)
         results.append(out.copy())
     for ca, cb in COEFFICIENTS:
-        crafted = np.array([_row(ca, cb)] * (len(bounds) - 1))
+        crafted = np.array([coefficient_row(ca, cb)] * (len(bounds) - 1))
         ops.host_segment_combine(a, b, crafted, out, bounds, threads=2)
         results.append(out.copy())
     return results
@@ -101,7 +69,7 @@ def _compare_paths(compute: Callable[[], list[np.ndarray]], what: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_path_rounds_every_exponent_alike(dtype: str) -> None:
     rng = np.random.default_rng(17)
-    a, b = _every_exponent(rng, dtype, 20011), _every_exponent(rng, dtype, 20011)
+    a, b = every_exponent(rng, dtype, 20011), every_exponent(rng, dtype, 20011)
     # Pieces that start off every vector width's alignment, and tails of every length below 16.
     bounds = [0, 1, 18, 33, 4096 + 7, len(a) - 15, len(a)]
     _compare_paths(lambda: _host_results(a, b, bounds), f"{dtype} bit patterns")
@@ -111,8 +79,8 @@ def test_every_path_rounds_every_exponent_alike(dtype: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_path_gives_the_cases_the_same_bits(dtype: str, case: Callable[..., Case]) -> None:
     a_list, b_list = case(np.random.default_rng(3), dtype)
-    a = np.concatenate([np.ravel(x) for x in a_list]).astype(NUMPY[dtype])
-    b = np.concatenate([np.ravel(x) for x in b_list]).astype(NUMPY[dtype])
+    a = np.concatenate([np.ravel(x) for x in a_list]).astype(NUMPY_TYPES[dtype])
+    b = np.concatenate([np.ravel(x) for x in b_list]).astype(NUMPY_TYPES[dtype])
     bounds = np.cumsum([0] + [np.size(x) for x in a_list]).tolist()
     _compare_paths(lambda: _host_results(a, b, bounds), f"{dtype} {case.__name__}")
 
@@ -129,8 +97,8 @@ def test_every_path_streams_float32_alike() -> None:
 def test_every_path_gives_the_tensorflow_ops_the_same_bits(dtype: str) -> None:
     rng = np.random.default_rng(23)
     shapes = [(3, 5), (1031,), (2**17 + 9,), ()]  # the last large enough for TensorFlow's thread pool
-    a = [tf.constant(_every_exponent(rng, dtype, int(np.prod(s))).reshape(s)) for s in shapes]
-    b = [tf.constant(_every_exponent(rng, dtype, int(np.prod(s))).reshape(s)) for s in shapes]
+    a = [tf.constant(every_exponent(rng, dtype, int(np.prod(s))).reshape(s)) for s in shapes]
+    b = [tf.constant(every_exponent(rng, dtype, int(np.prod(s))).reshape(s)) for s in shapes]
 
     def compute() -> list[np.ndarray]:
         rows = ops.adasum_dot_norms(a, b)
