@@ -20,9 +20,12 @@ import keras
 import numpy as np
 import pytest
 
+import tf_adasum
 from tests.processes import ROOT
 from tf_adasum import elastic
-from tf_adasum.elastic_launcher import RESTART_EXIT_CODE, elastic_launch, parse_slots
+from tf_adasum.elastic_launcher import elastic_launch
+from tf_adasum.elastic_policy import parse_slots
+from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
 
 WORKER = ROOT / "tests" / "elastic_worker.py"
 LAUNCH_TIMEOUT = 240
@@ -335,9 +338,9 @@ def test_the_run_wrapper_outside_the_launcher_raises_a_lost_peer() -> None:
 
     @elastic.run
     def train(state: elastic.State) -> None:
-        raise elastic.PeerError("rank 0: lost rank 1")
+        raise tf_adasum.PeerError("rank 0: lost rank 1")
 
-    with pytest.raises(elastic.PeerError, match="lost rank 1"):
+    with pytest.raises(tf_adasum.PeerError, match="lost rank 1"):
         train(state)
 
 

@@ -17,24 +17,73 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 
 FLOORS: list[list[str]] = [
     # leaves: nothing of tf_adasum
-    ["errors", "compression", "variables", "ops", "_quiet", "hosts", "comm"],
-    # Keras and TensorFlow internals, tensor lists; the elastic launcher
-    ["_compat", "tensor_lists", "elastic_launcher"],
-    # the communicator interface, buffers, the contract tree; the launcher (its elastic mode below it)
-    ["comm.base", "fusion", "tree", "run"],
-    ["comm.mpi", "comm.tf_collective"],
+    ["elastic_protocol", "compression", "variables", "ops", "_quiet", "hosts", "comm", "_horovod"],
+    # errors (the peer timeout is the elastic protocol's); the elastic launcher's membership rules;
+    # the numpy views the MPI engine receives into
+    ["errors", "elastic_policy", "_compat.numpy_views"],
+    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher
+    ["_compat.registry", "tensor_lists", "elastic_launcher"],
+    # each hook, by subject; the communicator interface; the contract tree; the launcher
+    [
+        "_compat.optimizers",
+        "_compat.trainer",
+        "_compat.distribute",
+        "_compat.tracking",
+        "_compat.layers",
+        "_compat.profiler",
+        "comm.base",
+        "tree",
+        "run",
+    ],
+    # the fence's face: every private name tf_adasum touches
+    ["_compat"],
+    # the Timeline of each rank's phases
+    ["timeline"],
+    # the engines; the fused buffer
+    ["comm.mpi", "comm.tf_collective", "fusion"],
     # what ranks check before data moves; the algorithms on one buffer
     ["agreement", "vhdd"],
     # Adasum across processes; this process's engine
     ["across_processes", "engine"],
-    # the public collectives
-    ["distributed"],
-    # Keras state shared by processes; the one model sync; BatchNorm over processes; elastic state
-    ["shared_state", "sync", "sync_batch_norm", "elastic"],
-    # the optimizer wrappers
-    ["optimizer"],
-    # the entry points: callbacks, the strategy, Horovod's TensorFlow face
-    ["callbacks", "strategy", "tensorflow"],
+    # the public collectives; Horovod's process sets
+    ["distributed", "_horovod.process_sets"],
+    # Keras state shared by processes; the one model sync; BatchNorm over processes; elastic state;
+    # Horovod's argument rules and compression
+    [
+        "shared_state",
+        "sync",
+        "sync_batch_norm",
+        "elastic_state",
+        "_horovod.arguments",
+        "_horovod.compression",
+    ],
+    # every replica's optimizer state; TensorFlow and Keras elastic state; Horovod's basics, collectives
+    # and functions; what two callbacks share
+    [
+        "replica_state",
+        "elastic_keras",
+        "_horovod.basics",
+        "_horovod.mpi_ops",
+        "_horovod.functions",
+        "callbacks.batches",
+    ],
+    # AdasumOptimizer; hvd.elastic; Horovod's gradient tape
+    ["optimizer", "elastic", "_horovod.gradient_tape"],
+    # the entry points: AllreduceOptimizer, the strategy, the callbacks (one per file)
+    [
+        "allreduce_optimizer",
+        "strategy",
+        "callbacks.adasum",
+        "callbacks.broadcast",
+        "callbacks.metric_average",
+        "callbacks.best_model_checkpoint",
+        "callbacks.learning_rate_schedule",
+        "callbacks.orthogonality",
+    ],
+    # the warm-up (a schedule); Horovod's optimizers
+    ["callbacks.learning_rate_warmup", "_horovod.optimizers"],
+    # the callbacks' face; Horovod's TensorFlow face
+    ["callbacks", "tensorflow"],
     # Horovod's Keras face: the TensorFlow face's functions, and the callbacks
     ["keras"],
     # the public face, the one place that patches Keras

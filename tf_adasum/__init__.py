@@ -29,6 +29,7 @@ if not _the_launcher_alone():
         _quiet.import_tensorflow_quietly()
 
     from tf_adasum import _compat, callbacks, engine, errors, ops, strategy, sync
+    from tf_adasum.allreduce_optimizer import AllreduceOptimizer
     from tf_adasum.callbacks import AdasumCallback
     from tf_adasum.distributed import (
         Adasum,
@@ -49,7 +50,7 @@ if not _the_launcher_alone():
         size,
     )
     from tf_adasum.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
-    from tf_adasum.optimizer import AdasumOptimizer, AllreduceOptimizer
+    from tf_adasum.optimizer import AdasumOptimizer
     from tf_adasum.strategy import AdasumStrategy
     from tf_adasum.tree import adasum_tree
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, compression, fusion
+from tf_adasum import agreement, compression, fusion, timeline
 from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.errors import NonFiniteUpdateError
 from tf_adasum.tensor_lists import indices_by_dtype
@@ -52,6 +52,14 @@ def adasum(
     """
     if comm.size == 1:
         return list(tensors)
+    timeline.mark_cycle("adasum sync", tensors=len(tensors))
+    with timeline.ops_phase("adasum sync", tensors=len(tensors)):
+        return _adasum(comm, tensors, names, metadata, first)
+
+
+def _adasum(
+    comm: Communicator, tensors: Sequence[tf.Tensor], names: Sequence[str] | None, metadata: int, first: bool
+) -> list[tf.Tensor]:
     indices = indices_by_dtype(tensors)
     eager = tf.executing_eagerly()
     if isinstance(comm, HostCommunicator):
@@ -146,20 +154,25 @@ def _host_graph(
     threads = host_threads(comm)
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        buffers, norms, in_place, first = [], [], [], 0
-        for index, (sizes, starts, pads) in zip(indices, layouts, strict=True):
-            sources = arrays[first : first + len(index)]
-            first += len(index)
-            buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
-            measured, source = fusion.fill_or_read_host(sources, buffers[-1], starts, sizes, pads, threads)
-            norms.append(measured)
-            in_place.append(source)
-        code = agreement.first_nonfinite_of_norms(indices, norms)
-        table = comm.agree_host(agreement.codes_row(agreement.SYNC, code, metadata), "adasum sync")
-        agreement.raise_unless_agreed(table, len(tensors), names)
-        for buf, (_, starts, _), source in zip(buffers, layouts, in_place, strict=True):
-            algorithm(comm, buf.nbytes).on_host(comm, buf, starts.tolist(), threads, source)
-        return buffers
+        timeline.mark_cycle("adasum sync", tensors=len(tensors))
+        with timeline.phase("adasum sync", tensors=len(tensors)):
+            buffers, norms, in_place, first = [], [], [], 0
+            for index, (sizes, starts, pads) in zip(indices, layouts, strict=True):
+                sources = arrays[first : first + len(index)]
+                first += len(index)
+                buffers.append(np.empty(int(starts[-1]), sources[0].dtype))
+                with timeline.phase("copy in", tensors=len(index), bytes=buffers[-1].nbytes):
+                    measured, source = fusion.fill_or_read_host(
+                        sources, buffers[-1], starts, sizes, pads, threads
+                    )
+                norms.append(measured)
+                in_place.append(source)
+            code = agreement.first_nonfinite_of_norms(indices, norms)
+            table = comm.agree_host(agreement.codes_row(agreement.SYNC, code, metadata), "adasum sync")
+            agreement.raise_unless_agreed(table, len(tensors), names)
+            for buf, (_, starts, _), source in zip(buffers, layouts, in_place, strict=True):
+                algorithm(comm, buf.nbytes).on_host(comm, buf, starts.tolist(), threads, source)
+            return buffers
 
     inputs = [tensors[i] for index in indices for i in index]
     dtypes = [tensors[index[0]].dtype for index in indices]

@@ -3,15 +3,15 @@
 The launcher runs the job as a series of groups. A group is a TF_CONFIG cluster of processes with ranks
 0..n-1; it ends when every process has exited. A process exits with
 - 0: its training function returned (the job is done when every process of the group says so);
-- RESTART_EXIT_CODE: it survived a lost peer, or the launcher reported new slots; its last commits are
-  in its state file (see tf_adasum/elastic.py);
+- elastic_protocol.RESTART_EXIT_CODE: it survived a lost peer, or the launcher reported new slots;
+  its last commits are in its state file (see tf_adasum/elastic.py);
 - anything else, or a signal: it is lost. So is a process that has not exited PEER_TIMEOUT + GRACE
   seconds after another of its group did (it hangs: SIGSTOP, a dead host).
 The next group takes the survivors first, in their old rank order, each pointed at its state file,
-then new processes for free slots, up to --max-np. A lost process's slot stays empty until the host
-discovery script's answer changes (without a script: for the rest of the job). Fewer than --min-np
-workers for --elastic-timeout seconds, or more than --reset-limit resets, end the job with an error
-naming the lost workers.
+then new processes for free slots, up to --max-np (tf_adasum/elastic_policy.py holds these rules). A
+lost process's slot stays empty until the host discovery script's answer changes (without a script:
+for the rest of the job). Fewer than --min-np workers for --elastic-timeout seconds, or more than
+--reset-limit resets, end the job with an error naming the lost workers.
 
 The slots come from --host-discovery-script (horovodrun's: it prints `host:slots` lines; it is run
 every DISCOVERY_SECONDS) or from -H. When the script reports more slots than the group uses, and the
@@ -24,7 +24,6 @@ No TensorFlow here: the launcher starts in a fraction of a second.
 from __future__ import annotations
 
 import collections
-import http.server
 import json
 import os
 import signal
@@ -36,36 +35,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tf_adasum import hosts as launcher
+from tf_adasum import elastic_policy as policy
+from tf_adasum.elastic_policy import parse_slots
+from tf_adasum.elastic_protocol import NoticeBoard, peer_timeout_seconds, process_environment
+from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, remote_command
 
-# A survivor's exit: "start me again in the next group" (EX_TEMPFAIL).
-RESTART_EXIT_CODE = 75
 DISCOVERY_SECONDS = 1.0
-DEFAULT_PEER_TIMEOUT = 300.0  # tf_adasum.errors.DEFAULT_TIMEOUT_SECONDS, without importing TensorFlow
-
-
-def peer_timeout() -> float:
-    return float(os.environ.get("TF_ADASUM_TIMEOUT_SECONDS", DEFAULT_PEER_TIMEOUT))
 
 
 class ElasticError(RuntimeError):
     """The job cannot go on: too few workers, too many resets."""
-
-
-def parse_slots(text: str) -> dict[str, int]:
-    """{host: slots} from a discovery script's output: `host:slots` or `host` lines (one slot)."""
-    slots: dict[str, int] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        host, sep, count = line.rpartition(":")
-        if not sep:
-            host, count = line, "1"
-        if not host or not count.isdigit():
-            raise ValueError(f"host discovery: expected host:slots lines, got {line!r}")
-        slots[host] = slots.get(host, 0) + int(count)
-    return slots
 
 
 class Discovery:
@@ -107,31 +86,6 @@ class Worker:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
 
 
-class _Notices(http.server.ThreadingHTTPServer):
-    """Answers rank 0's GET /updates?generation=G with the group's latest notice (0: none)."""
-
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        self.notice: dict[int, int] = {}
-        self.advertised = "127.0.0.1"
-        super().__init__(("0.0.0.0", 0), _NoticeHandler)
-
-
-class _NoticeHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        group = self.path.rpartition("generation=")[2]
-        value = self.server.notice.get(int(group), 0) if group.isdigit() else 0  # type: ignore[attr-defined]
-        body = str(value).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 def _forward(worker: Worker, lock: threading.Lock) -> None:
     for line in iter(worker.proc.stdout.readline, b""):
         worker.tail.append(line.decode(errors="replace").rstrip())
@@ -140,12 +94,6 @@ def _forward(worker: Worker, lock: threading.Lock) -> None:
         with lock:
             sys.stdout.buffer.write(f"[{worker.rank}] ".encode() + line)
             sys.stdout.buffer.flush()
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with {code}"
 
 
 def _say(message: str) -> None:
@@ -163,7 +111,7 @@ def elastic_launch(
     reset_limit: int | None = None,
     elastic_timeout: float = 600.0,
     timeout: float | None = None,
-    agent: str = launcher.DEFAULT_AGENT,
+    agent: str = DEFAULT_AGENT,
     state_dir: str | None = None,
     resume_from: str | None = None,
 ) -> int:
@@ -193,10 +141,10 @@ def elastic_launch(
     discovery = Discovery(discovery_script, hosts, np)
     if not discovery_script and sum(discovery.static.values()) < np:
         raise ValueError(f"-H {hosts!r} has {sum(discovery.static.values())} slots for -np {np}")
-    all_local = not discovery_script and all(h in launcher.LOCAL_HOSTS for h in discovery.static)
-    notices = _Notices()
+    all_local = not discovery_script and all(h in LOCAL_HOSTS for h in discovery.static)
+    notices = NoticeBoard()
     threading.Thread(target=notices.serve_forever, daemon=True).start()
-    notices.advertised = "127.0.0.1" if all_local else _own_address()
+    advertised = "127.0.0.1" if all_local else _own_address()
     deadline = None if timeout is None else time.monotonic() + timeout
     lock = threading.Lock()
 
@@ -226,34 +174,20 @@ def elastic_launch(
         return answer
 
     def more_slots(in_use: int) -> bool:
-        if not discovery_script or in_use >= max_np:
-            return False
-        free = collections.Counter(fresh_answer())
-        free.subtract(blocked)
-        return sum(max(n, 0) for n in free.values()) > in_use
+        return bool(discovery_script) and policy.has_more_slots(fresh_answer(), blocked, in_use, max_np)
 
     try:
         while True:
             # The group's members: the survivors that still have a slot, then new processes.
             wait_until = time.monotonic() + elastic_timeout
             while True:
-                answer = fresh_answer()
-                free = collections.Counter(answer)
-                free.subtract(blocked)
-                members = []
-                for w in survivors:
-                    if free[w.host] > 0:
-                        free[w.host] -= 1
-                        members.append(w)
-                target = np if group == 0 else max_np
-                new_hosts: list[str] = []
-                for host in answer:
-                    while free[host] > 0 and len(members) + len(new_hosts) < target:
-                        free[host] -= 1
-                        new_hosts.append(host)
-                if len(members) + len(new_hosts) >= min_np:
-                    members += [Worker(id=f"w{next_id + i}", host=h) for i, h in enumerate(new_hosts)]
-                    next_id += len(new_hosts)
+                chosen = policy.choose_members(
+                    fresh_answer(), blocked, [w.host for w in survivors], np if group == 0 else max_np
+                )
+                if chosen.size >= min_np:
+                    members = [survivors[i] for i in chosen.kept]
+                    members += [Worker(id=f"w{next_id + i}", host=h) for i, h in enumerate(chosen.new_hosts)]
+                    next_id += len(chosen.new_hosts)
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     _say("the --timeout passed while waiting for slots")
@@ -263,36 +197,40 @@ def elastic_launch(
                         "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
                     )
                     raise ElasticError(
-                        f"{len(members) + len(new_hosts)} worker(s) available, fewer than --min-np {min_np}, "
+                        f"{chosen.size} worker(s) available, fewer than --min-np {min_np}, "
                         f"after waiting {elastic_timeout:.0f} s for slots. Lost workers: {gone}. "
                         f"The last commits are in {_last_group_dir(state_dir, group)} "
                         "(resume with --resume-from)"
                     )
                 time.sleep(DISCOVERY_SECONDS)
             survivors = []
-            code = _run_group(group, members, command, notices, more_slots, state_dir, agent, lock, deadline)
+            driver = f"{advertised}:{notices.server_address[1]}"
+            code = _run_group(
+                group, members, command, notices, driver, more_slots, state_dir, agent, lock, deadline
+            )
             if code is not None:
                 return code
-            ended = [w for w in members if w.outcome not in ("restart", "done")]
+            ended = [w for w in members if w.outcome not in (policy.RESTART, policy.DONE)]
             for w in ended:
                 blocked[w.host] += 1
                 lost.append(w)
-            survivors = [w for w in members if w.outcome == "restart"]
-            if all(w.outcome == "done" for w in members):
+            survivors = [w for w in members if w.outcome == policy.RESTART]
+            end = policy.group_end([str(w.outcome) for w in members])
+            if end is policy.GroupEnd.DONE:
                 return 0
-            if not survivors and not any(w.outcome == "done" for w in members):
-                # Every process failed on its own (a bug in the script, a bad argument): no one is left to
-                # resume, and a new group would fail the same way.
+            if end is policy.GroupEnd.ALL_FAILED:
+                # A bug in the script, a bad argument: no one is left to resume.
                 first = ended[0]
                 _say(
                     f"every process of group {group} failed; rank {first.rank} ({first.id}@{first.host}) "
                     f"{first.outcome}; its last output: {_last_error(first)}"
                 )
                 return first.code if first.code and first.code > 0 else 1
-            if any(w.outcome == "done" for w in members):
+            if end is policy.GroupEnd.FINISHED:
+                finished = [w.rank for w in members if w.outcome == policy.DONE]
                 _say(
-                    f"group {group}: rank(s) {[w.rank for w in members if w.outcome == 'done']} finished "
-                    "training while others left it; the job is done"
+                    f"group {group}: rank(s) {finished} finished training while others left it; the job is "
+                    "done"
                 )
                 return 0
             for w in survivors:
@@ -341,7 +279,8 @@ def _run_group(
     group: int,
     members: list[Worker],
     command: list[str],
-    notices: _Notices,
+    notices: NoticeBoard,
+    driver: str,
     more_slots: Any,
     state_dir: str,
     agent: str,
@@ -350,8 +289,7 @@ def _run_group(
 ) -> int | None:
     """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
     (the timeout, Ctrl-C), or None."""
-    driver = f"{notices.advertised}:{notices.server_address[1]}"
-    ports = launcher.free_ports(len(members))
+    ports = free_ports(len(members))
     workers = [f"{w.host}:{port}" for w, port in zip(members, ports, strict=True)]
     group_dir = os.path.join(state_dir, f"group{group}")
     _say(
@@ -367,18 +305,8 @@ def _run_group(
         env["TF_CONFIG"] = json.dumps(
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
         )
-        env.update(
-            TF_ADASUM_ELASTIC="1",
-            TF_ADASUM_ELASTIC_GENERATION=str(group),
-            TF_ADASUM_ELASTIC_STATE_FILE=w.state_file,
-            TF_ADASUM_ELASTIC_RESUME_FILE=w.resume_file,
-            TF_ADASUM_ELASTIC_DRIVER=driver,
-        )
-        line = (
-            command
-            if w.host in launcher.LOCAL_HOSTS
-            else launcher.remote_command(agent, w.host, command, env)
-        )
+        env.update(process_environment(group, w.state_file, w.resume_file, driver))
+        line = command if w.host in LOCAL_HOSTS else remote_command(agent, w.host, command, env)
         w.proc = subprocess.Popen(
             line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -391,8 +319,8 @@ def _run_group(
             except ProcessLookupError:
                 pass
 
-    ending_since: float | None = None
-    last_exit: float | None = None
+    first_exit: float | None = None
+    last_alone: float | None = None
     next_discovery = time.monotonic() + DISCOVERY_SECONDS
     try:
         while True:
@@ -400,24 +328,15 @@ def _run_group(
             for w in members:
                 if w.outcome is None and w.proc.poll() is not None:
                     w.code = w.proc.returncode
-                    if w.code == 0:
-                        w.outcome = "done"
-                    elif w.code == RESTART_EXIT_CODE:
-                        w.outcome = "restart"
-                    else:
-                        w.outcome = f"lost: {_describe(w.code)}"
-                    if w.code != 0 and ending_since is None:
-                        ending_since = now
+                    w.outcome = policy.process_outcome(w.code)
+                    if w.code != 0 and first_exit is None:
+                        first_exit = now
             if all(w.outcome is not None for w in members):
                 return None
-            # A process still running after the others left is lost: it had GRACE_SECONDS since the
-            # last one exited, or PEER_TIMEOUT + GRACE_SECONDS since the first did.
             running = [w for w in members if w.outcome is None]
-            if ending_since is not None and len(running) == 1 and last_exit is None:
-                last_exit = now
-            late = ending_since is not None and now > ending_since + peer_timeout() + launcher.GRACE_SECONDS
-            alone = last_exit is not None and now > last_exit + launcher.GRACE_SECONDS
-            if late or alone:
+            if first_exit is not None and len(running) == 1 and last_alone is None:
+                last_alone = now
+            if policy.hung(now, first_exit, last_alone, peer_timeout_seconds(), GRACE_SECONDS):
                 for w in running:
                     kill(w)
                     w.proc.wait()
@@ -429,10 +348,10 @@ def _run_group(
                     kill(w)
                 _say("killed every process after the --timeout")
                 return 124
-            if now > next_discovery and ending_since is None and not notices.notice.get(group):
+            if now > next_discovery and first_exit is None and not notices.posted(group):
                 next_discovery = now + DISCOVERY_SECONDS
                 if more_slots(len(members)):
-                    notices.notice[group] = time.time_ns()
+                    notices.post(group)
                     _say(f"group {group}: more slots reported; the group grows at its next commit")
             time.sleep(0.05)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from tf_adasum import timeline
 from tf_adasum.comm.base import Communicator, SingleProcessCommunicator
 from tf_adasum.vhdd import tree_blocks
 
@@ -95,6 +96,7 @@ def init(engine: str | None = None) -> Communicator:
     else:
         _comm = SingleProcessCommunicator()
     _started[_comm.engine] = _comm
+    timeline.start_from_environment(_comm.rank, _comm.size)  # HOROVOD_TIMELINE, as Horovod's init reads it
     return _comm
 
 

@@ -10,19 +10,15 @@ RuntimeError for ranks at different kinds of check into a RuntimeError.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 
-DEFAULT_TIMEOUT_SECONDS = 300.0
-
-
-def timeout_seconds() -> float:
-    """How long any wait for a peer may last: $TF_ADASUM_TIMEOUT_SECONDS, default 300 s."""
-    return float(os.environ.get("TF_ADASUM_TIMEOUT_SECONDS", DEFAULT_TIMEOUT_SECONDS))
+# The peer timeout is the elastic protocol's too (the launcher waits on it without TensorFlow): one owner.
+from tf_adasum.elastic_protocol import DEFAULT_TIMEOUT_SECONDS as DEFAULT_TIMEOUT_SECONDS
+from tf_adasum.elastic_protocol import peer_timeout_seconds as timeout_seconds
 
 
 class PeerError(RuntimeError):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import _compat, ops
+from tf_adasum import _compat, ops, timeline
 
 ALIGN_BYTES = 64  # TensorFlow's allocation alignment (EIGEN_MAX_ALIGN_BYTES)
 
@@ -80,11 +80,13 @@ def fuse(tensors: Sequence[tf.Tensor], index: list[int]) -> Fused:
     """One aligned buffer of tensors[i] for i in index, built with TensorFlow ops."""
     dtype = tensors[index[0]].dtype
     _, starts, pads = layout(tensors, index)
-    zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
-    parts = []
-    for i, pad in zip(index, pads, strict=True):
-        parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
-    return Fused(tf.concat(parts, 0), starts.tolist(), pads, [tensors[i].shape for i in index])
+    with timeline.ops_phase("copy in", tensors=len(index), bytes=int(starts[-1]) * dtype.size):
+        zeros = {pad: tf.zeros([pad], dtype) for pad in set(pads) if pad}
+        parts = []
+        for i, pad in zip(index, pads, strict=True):
+            parts += [tf.reshape(tensors[i], [-1]), *([zeros[pad]] if pad else [])]
+        buffer = tf.concat(parts, 0)
+    return Fused(buffer, starts.tolist(), pads, [tensors[i].shape for i in index])
 
 
 def fill_or_read_host(
@@ -137,7 +139,8 @@ def fuse_host(tensors: Sequence[tf.Tensor], index: list[int], threads: int) -> F
     buffer, view = fresh([int(starts[-1])], tensors[index[0]].dtype)
     if view is None:
         return fuse(tensors, index)
-    norms, source = fill_or_read_host([tensors[i] for i in index], view, starts, sizes, pads, threads)
+    with timeline.phase("copy in", tensors=len(index), bytes=view.nbytes):
+        norms, source = fill_or_read_host([tensors[i] for i in index], view, starts, sizes, pads, threads)
     return Fused(buffer, starts.tolist(), pads, [tensors[i].shape for i in index], view, norms, source)
 
 
@@ -155,6 +158,13 @@ def unfuse(
     (A split that also cut the padding off would copy everything: TensorFlow shares the buffer only when
     every piece is aligned.) A padded tensor's piece is then cut at 0, a view.
     """
+    with timeline.ops_phase("copy out", tensors=len(shapes)):
+        return _unfuse(combined, starts, pads, shapes)
+
+
+def _unfuse(
+    combined: tf.Tensor, starts: Sequence[int], pads: Sequence[int], shapes: Sequence[tf.TensorShape]
+) -> list[tf.Tensor]:
     parts = tf.split(combined, np.diff(starts).tolist())
     eager = tf.executing_eagerly()
     out = []

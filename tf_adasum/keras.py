@@ -12,7 +12,7 @@ the import line is the only change. The difference that matters:
 
 The functions are tf_adasum.tensorflow's (Horovod's Keras module sits on its TensorFlow module the same
 way), with Horovod's Keras signatures: they return tensors, eagerly and inside tf.function. An argument
-that tf_adasum does not implement raises an error that names it; nothing is ignored.
+that tf_adasum does not implement raises NotImplementedError naming it; `name` is accepted and has no effect.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import tensorflow as tf
 
 from tf_adasum import _compat, callbacks
 from tf_adasum import tensorflow as _tf
+from tf_adasum._horovod.arguments import unsupported
+from tf_adasum._horovod.compression import check_compressor
 from tf_adasum.optimizer import WrappedOptimizer
 from tf_adasum.tensorflow import (
     Adasum,
@@ -58,7 +60,6 @@ from tf_adasum.tensorflow import (
     size,
     start_timeline,
     stop_timeline,
-    unsupported,
 )
 
 __all__ = [
@@ -238,11 +239,7 @@ def load_model(
     (Compression.none, Horovod's default, or Compression.fp16) is set on the loaded tf_adasum optimizer.
     """
     unsupported("load_model", legacy_opts=(legacy_opts, False))
-    if compression not in (Compression.none, Compression.fp16):
-        raise NotImplementedError(
-            f"load_model(compression={compression!r}) is not supported by tf_adasum; use Compression.none or "
-            "Compression.fp16"
-        )
+    check_compressor("load_model", compression)
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
         objects.setdefault(cls.__name__, cls)

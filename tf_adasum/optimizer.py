@@ -1,4 +1,4 @@
-"""The two optimizer wrappers, AdasumOptimizer and AllreduceOptimizer, and their per-replica checkpoint state.
+"""WrappedOptimizer, what the optimizer wrappers share, and AdasumOptimizer.
 
 AdasumOptimizer: every replica steps on its own, then the model deltas are combined with Adasum.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -31,13 +30,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
-from tensorflow.core.framework import tensor_pb2
 
-from tf_adasum import _compat, agreement, distributed, sync
+from tf_adasum import _compat, sync
 from tf_adasum.compression import check_compression
+from tf_adasum.replica_state import ReplicaState
 from tf_adasum.shared_state import broadcast_variables
 from tf_adasum.tensor_lists import dense
-from tf_adasum.variables import replica_values, tf_variable, variable_name
+from tf_adasum.variables import tf_variable
 
 
 class _Stepping(threading.local):
@@ -80,7 +79,7 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner
         # tf.train.Checkpoint names children by attribute; checkpoints from before the rename say "inner".
-        self._track_trackable(inner, name="inner", overwrite=True)
+        _compat.track(self, inner, "inner")
         _WRAPPERS[inner] = self
 
     def register_local_var(self, var: Any) -> None:
@@ -124,7 +123,7 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
     @property
     def variables(self) -> list[Any]:
         """This optimizer's own variables, then the inner optimizer's, as LossScaleOptimizer has them."""
-        return self._variables + self.inner_optimizer.variables
+        return _compat.own_variables(self) + self.inner_optimizer.variables
 
     @property
     def learning_rate(self) -> Any:
@@ -145,10 +144,10 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def load_own_variables(self, store: Any) -> None:
-        own = len(self._variables)
-        if len(store.keys()) == own != len(self.variables):
+        own = _compat.own_variables(self)
+        if len(store.keys()) == len(own) != len(self.variables):
             # Saved before `variables` listed the inner optimizer's too: this optimizer's own only.
-            for i, variable in enumerate(self._variables):
+            for i, variable in enumerate(own):
                 variable.assign(store[str(i)])
             return
         super().load_own_variables(store)
@@ -180,112 +179,6 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
             inner = inner(**serialized.get("config", {}))
             inner = getattr(inner, "inner_optimizer", inner)
         return cls(inner, **config)
-
-
-class ReplicaState:
-    """Every local replica's copy of the inner optimizer's state, for checkpoints.
-
-    Under a strategy with several local replicas, each replica steps with its own optimizer state
-    (momentum, Adam moments), kept in the components of mirrored variables. Keras and tf.train.Checkpoint
-    save a mirrored variable's first component and restore it to all, which would give every replica
-    replica 0's state on resume. This object saves them all, stacked, and puts each back where it was.
-    Restored into a different number of replicas, every replica keeps replica 0's state, with a warning.
-    """
-
-    def __init__(self, optimizer: AdasumOptimizer) -> None:
-        self.optimizer = optimizer
-        self.pending: list[np.ndarray] | None = None
-
-    def gather(self) -> list[np.ndarray]:
-        return [
-            np.stack([c.numpy() for c in replica_values(v)]) for v in self.optimizer.inner_optimizer.variables
-        ]
-
-    def spread(self, stacked: list[np.ndarray]) -> None:
-        """Puts each replica's saved state back; before the optimizer is built, once it is."""
-        inner = self.optimizer.inner_optimizer
-        if not inner.built:  # tf.train.Checkpoint restores into optimizers that are built later
-            self.pending = stacked
-            return
-        variables = inner.variables
-        if len(stacked) != len(variables):
-            warnings.warn(
-                f"the checkpoint holds {len(stacked)} per-replica optimizer variables but {inner.name!r} "
-                f"has {len(variables)}; every replica keeps the restored values",
-                stacklevel=2,
-            )
-            return
-        saved, here = len(stacked[0]) if stacked else 0, len(replica_values(variables[0])) if variables else 0
-        if saved != here:
-            warnings.warn(
-                f"the checkpoint holds the optimizer state of {saved} replicas but this strategy has {here}: "
-                "every replica starts from replica 0's state",
-                stacklevel=2,
-            )
-            return
-        for variable, values in zip(variables, stacked, strict=True):
-            for component, value in zip(replica_values(variable), values, strict=True):
-                component.assign(value)
-
-
-class _ReplicaStateCheckpoint(tf.__internal__.tracking.Trackable):
-    """ReplicaState for tf.train.Checkpoint and SavedModel: one string tensor, each of its elements one
-    inner variable's replicas, stacked, as a serialized TensorProto.
-
-    Tensors, not Python state, so that tf.saved_model.save, which traces the save, can write it. It is
-    restored after the inner optimizer's own variables: the restore of a mirrored variable puts its
-    first replica's value into every replica, and this must come after it. TensorFlow restores an
-    object graph breadth first, so this sits deeper than the inner optimizer's variables
-    (_after_the_inner_variables).
-    """
-
-    _KEY = "per_replica"
-
-    def __init__(self, state: ReplicaState) -> None:
-        self._state = state
-
-    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
-        stacked = [
-            tf.io.serialize_tensor(tf.stack([tf.identity(c) for c in replica_values(v)]))
-            for v in self._state.optimizer.inner_optimizer.variables
-        ]
-        return {self._KEY: tf.stack(stacked) if stacked else tf.constant([], tf.string)}
-
-    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
-        if not tf.executing_eagerly():  # a restore traced into a graph: nothing to spread from here
-            warnings.warn(
-                "tf_adasum: a graph-mode restore cannot spread every replica's optimizer state; every "
-                "replica keeps replica 0's",
-                stacklevel=2,
-            )
-            return tf.no_op()
-        protos = restored_tensors[self._KEY].numpy().tolist()
-        self._state.spread([tf.make_ndarray(tensor_pb2.TensorProto.FromString(p)) for p in protos])
-
-
-class _CheckpointsOnly(tf.__internal__.tracking.AutoTrackable):
-    """A node of tf.train.Checkpoint's object graph that SavedModels leave out.
-
-    A SavedModel loads as generic objects, without tf_adasum and without replicas, so every replica's
-    optimizer state means nothing there; and tf.saved_model.save could not write it, since it saves
-    copies of the variables in a graph of its own.
-    """
-
-    def _trackable_children(self, save_type: Any = "checkpoint", **kwargs: Any) -> dict[str, Any]:
-        if save_type == "savedmodel":
-            return {}
-        return super()._trackable_children(save_type, **kwargs)
-
-
-def _after_the_inner_variables(trackable: Any) -> Any:
-    """`trackable` three levels down a chain of empty trackables: deeper in the object graph than the
-    inner optimizer's variables (optimizer/inner_optimizer/_variables/N), whether the chain hangs from
-    the AdasumOptimizer or from the plain optimizer it wraps (strategy.adasum_optimizer_for)."""
-    for _ in range(3):
-        node = _CheckpointsOnly()
-        node._track_trackable(trackable, name="then")
-        trackable = node
-    return trackable
 
 
 # AdasumOptimizers whose first step was traced before their model's variables had values, each with its
@@ -332,7 +225,7 @@ class AdasumOptimizer(WrappedOptimizer):
         _compat.disable_gradient_sum(inner)
         self._replica_state = ReplicaState(self)
         # tf.train.Checkpoint saves this child with the optimizer: every replica's state, not the first.
-        self.replica_state = _after_the_inner_variables(_ReplicaStateCheckpoint(self._replica_state))
+        self.replica_state = self._replica_state.checkpoint_node()
 
     def build(self, var_list: list[Any]) -> None:
         current = tf.distribute.get_strategy()
@@ -423,10 +316,12 @@ class AdasumOptimizer(WrappedOptimizer):
         if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
             grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
         variables = (
-            list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+            list(trainable_variables)
+            if trainable_variables is not None
+            else _compat.trainable_variables_of(self)
         )
         variables = [v for v in variables if not self.is_local(v)]  # a worker's own are not combined
-        indices = [self._get_variable_index(v) for v in variables]
+        indices = [_compat.variable_index(self, v) for v in variables]
         anchors = [self._anchors[i] for i in indices]
         lasts = [self._lasts[i] for i in indices] if self._lasts else None
         iterations, every = self.inner_optimizer.iterations, self.sync_every
@@ -475,139 +370,4 @@ class AdasumOptimizer(WrappedOptimizer):
             "sync_every": self.sync_every,
             "root": self.root,
             "compression": self.compression,
-        }
-
-
-@keras.saving.register_keras_serializable(package="tf_adasum")
-class AllreduceOptimizer(WrappedOptimizer):
-    """Sums or averages the gradients over processes before the inner optimizer steps, as Horovod does.
-
-    This is what `tf_adasum.keras.DistributedOptimizer(op=Average)` (or `op=Sum`) returns: one process
-    per worker, no tf.distribute strategy. For Adasum use AdasumOptimizer, which combines the updates
-    after the optimizer instead.
-
-    Args:
-        inner: any Keras 3 optimizer.
-        op: tf_adasum.Average or tf_adasum.Sum.
-        name: optional name; default "allreduce_<inner name>".
-        compression: "none", or "fp16" to send float32/float64 gradients as float16.
-        backward_passes_per_step: Horovod's gradient accumulation: each process sums its gradients
-            over this many steps, then they are all-reduced once and the inner optimizer steps; in
-            between the weights stay as they are and only the iteration count moves, as in Horovod.
-        average_aggregated_gradients: divide the accumulated gradients by backward_passes_per_step
-            (Horovod's flag; its default, False, applies their sum).
-    """
-
-    def __init__(
-        self,
-        inner: keras.optimizers.Optimizer,
-        op: Any = distributed.Average,
-        name: str | None = None,
-        compression: str = "none",
-        backward_passes_per_step: int = 1,
-        average_aggregated_gradients: bool = False,
-        scale_local_gradients: bool = True,
-    ) -> None:
-        op = distributed.ReduceOp(op)
-        # Mixed precision's skip decision must be global: one rank skipping would average other steps.
-        _compat.require("LossScaleOptimizer.check_finite")
-        if op is distributed.Adasum:
-            raise ValueError("AllreduceOptimizer sums or averages gradients; for Adasum use AdasumOptimizer")
-        super().__init__(inner, name=name or f"allreduce_{getattr(inner, 'name', 'optimizer')}")
-        self.op = op
-        self.compression = check_compression(compression)
-        self.backward_passes_per_step = sync.check_positive_integer(
-            "backward_passes_per_step", backward_passes_per_step
-        )
-        self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self.scale_local_gradients = bool(scale_local_gradients)
-
-    def build(self, var_list: list[Any]) -> None:
-        self.inner_optimizer.build(var_list)
-        # Each process's gradients summed since the last all-reduce (backward_passes_per_step > 1).
-        self._accumulated = (
-            [self.add_variable_from_reference(v, name="accumulated_gradient") for v in var_list]
-            if self.backward_passes_per_step > 1
-            else []
-        )
-        super().build(var_list)
-
-    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            raise ValueError(
-                f"AllreduceOptimizer runs one replica per process, but this step has "
-                f"{context.num_replicas_in_sync} replicas: start one process per device instead of a "
-                "tf.distribute strategy"
-            )
-        if self.backward_passes_per_step > 1:
-            self._accumulate_then_apply(grads, trainable_variables)
-            return
-        self._reduce_then_apply(grads, trainable_variables)
-
-    def _reduce_then_apply(self, grads: list[Any], trainable_variables: list[Any] | None) -> None:
-        comm = distributed.init()
-        if comm.size > 1:
-            # A rank that ran out of data meets this sync at its epoch end: both raise, neither waits.
-            checked = agreement.agree(comm, agreement.SYNC, -1, "gradient allreduce")
-            with tf.control_dependencies([checked]):
-                grads = [None if g is None else tf.identity(dense(g)) for g in grads]
-            variables = list(trainable_variables) if trainable_variables is not None else None
-            local = [variables is not None and self.is_local(v) for v in (variables or [None] * len(grads))]
-            present = [i for i, g in enumerate(grads) if g is not None and not local[i]]
-            names = [variable_name(variables[i]) for i in present] if variables is not None else []
-            reduced = distributed.allreduce_compressed(
-                [grads[i] for i in present], self.op, self.compression, names
-            )
-            grads = list(grads)
-            for i, g in zip(present, reduced, strict=True):
-                grads[i] = g
-            if self.scale_local_gradients:  # Horovod's: a local gradient divided by the number of workers
-                grads = [g / comm.size if g is not None and local[i] else g for i, g in enumerate(grads)]
-        with self._stepping():
-            self.inner_optimizer.apply(grads, trainable_variables)
-
-    def _accumulate_then_apply(self, grads: list[Any], trainable_variables: list[Any] | None) -> None:
-        """Horovod's LocalGradientAggregationHelper: the gradients are summed into the accumulators;
-        every backward_passes_per_step-th pass they are all-reduced once (divided by the count with
-        average_aggregated_gradients), the inner optimizer steps on them and they are cleared; on the
-        other passes only the iteration count moves."""
-        if not self.built:
-            with tf.init_scope():
-                self.build(list(trainable_variables or []))
-        variables = (
-            list(trainable_variables) if trainable_variables is not None else self._trainable_variables
-        )
-        accumulators = [self._accumulated[self._get_variable_index(v)] for v in variables]
-        for accumulator, g in zip(accumulators, grads, strict=True):
-            if g is not None:
-                accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
-        iterations = self.inner_optimizer.iterations
-        passes = self.backward_passes_per_step
-
-        def reduce_and_apply() -> tf.Tensor:
-            summed = [
-                None if g is None else tf.identity(a) / passes if self.average_aggregated_gradients else
-                tf.identity(a)
-                for a, g in zip(accumulators, grads, strict=True)
-            ]  # fmt: skip
-            self._reduce_then_apply(summed, variables)
-            for accumulator in accumulators:
-                accumulator.assign(tf.zeros_like(accumulator))
-            return tf.constant(True)
-
-        def count_the_pass() -> tf.Tensor:
-            iterations.assign_add(1)
-            return tf.constant(False)
-
-        tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_apply, count_the_pass)
-
-    def get_config(self) -> dict[str, Any]:
-        return {
-            **self._config(),
-            "op": self.op.value,
-            "compression": self.compression,
-            "backward_passes_per_step": self.backward_passes_per_step,
-            "average_aggregated_gradients": self.average_aggregated_gradients,
-            "scale_local_gradients": self.scale_local_gradients,
         }

@@ -33,77 +33,37 @@ from tf_adasum.errors import HookError
 from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
 
-# How many of its latest distributed iterators an AdasumStrategy holds on to (_keeping_iterators).
+# How many of its latest distributed iterators an AdasumStrategy holds on to (its _recent_iterators).
+#
+# Why: Keras's fit and evaluate take one batch from a fresh iterator (their symbolic build) and drop it
+# at once. Every MirroredStrategy dataset is read through TensorFlow's MultiDeviceIterator, and
+# destroying one while its background thread is inside the host iterator's GetNext kills the process
+# (SIGSEGV in MultiDeviceBuffer::BackgroundThread, a jump to address 0x1, while the main thread is in
+# ~MultiDeviceIterator): 7 of 15 two-process runs of 40 fit-and-evaluate rounds crashed, and CI lost a
+# test to it. Held a few iterators longer, the background thread has normally filled its buffer or
+# reached the end of the data and waits, and destroying the iterator is safe (0 of 11 such runs
+# crashed). A mitigation by count, not a guarantee. It costs each held iterator its prefetched batches.
 KEPT_ITERATORS = 4
-_KEEPING_CLASSES: dict[type, type] = {}
 
 
-def _keeping_iterators(distributed: Any, strategy: AdasumStrategy) -> Any:
-    """`distributed` (a distributed dataset), whose iterators the strategy holds until KEPT_ITERATORS
-    newer ones replace them.
-
-    Why: Keras's fit and evaluate take one batch from a fresh iterator (their symbolic build) and drop
-    it at once. Every MirroredStrategy dataset is read through TensorFlow's MultiDeviceIterator, and
-    destroying one while its background thread is inside the host iterator's GetNext kills the process
-    (SIGSEGV in MultiDeviceBuffer::BackgroundThread, a jump to address 0x1, while the main thread is in
-    ~MultiDeviceIterator): 7 of 15 two-process runs of 40 fit-and-evaluate rounds crashed, and CI lost
-    a test to it. Held a few iterators longer, the background thread has normally filled its buffer or
-    reached the end of the data and waits, and destroying the iterator is safe (0 of 11 such runs
-    crashed). A mitigation by count, not a guarantee. It costs each held iterator its prefetched
-    batches.
-    """
-    base = type(distributed)
-    keeping = _KEEPING_CLASSES.get(base)
-    if keeping is None:
-
-        def __iter__(self: Any) -> Any:
-            iterator = base.__iter__(self)
-            if tf.executing_eagerly():  # a traced loop's iterator lives in its graph
-                self._tf_adasum_strategy._recent_iterators.append(iterator)
-            return iterator
-
-        # A subclass, so that isinstance checks on the distributed dataset still pass.
-        keeping = _KEEPING_CLASSES[base] = type(base.__name__, (base,), {"__iter__": __iter__})
-    distributed.__class__ = keeping
-    distributed._tf_adasum_strategy = strategy
-    return distributed
-
-
-_ACROSS_CLASSES: dict[type, type] = {}
-
-
-def _reducing_across_processes(extended: Any) -> None:
-    """Makes the strategy's batched reductions global over every replica of every process, as
+def _reduced_across_processes(strategy: AdasumStrategy, reduce_op: Any, local: list[Any]) -> list[Any] | None:
+    """The strategy's batched reductions made global over every replica of every process, as
     MultiWorkerMirroredStrategy's are: ReplicaContext.all_reduce (global-norm clipping, a custom loop's
-    metrics, BatchNormalization(synchronized=True)) and extended.batch_reduce_to.
+    metrics, BatchNormalization(synchronized=True)) and extended.batch_reduce_to (installed through
+    _compat.install_batch_reduction). None keeps the local results.
 
     MirroredStrategy reduces inside its process only, and a custom loop across processes silently got
     one process's sum. Each local result is reduced over processes in one collective per call (a MEAN
-    weighs each process by its replicas), then put back on the destinations. Inside
-    sync.within_processes they stay local: tf_adasum's own local reductions. extended.reduce_to, which
-    TensorFlow also uses for a variable's aggregation inside a replica, stays local.
+    weighs each process by its replicas). Inside sync.within_processes they stay local: tf_adasum's own
+    local reductions. extended.reduce_to, which TensorFlow also uses for a variable's aggregation inside
+    a replica, stays local.
     """
-    base = type(extended)
-    across = _ACROSS_CLASSES.get(base)
-    if across is None:
-
-        def _batch_reduce_to(self: Any, reduce_op: Any, value_destination_pairs: Any, options: Any) -> Any:
-            local = base._batch_reduce_to(self, reduce_op, value_destination_pairs, options)
-            strategy = self._container_strategy()
-            if strategy.comm.size == 1 or strategy.reductions_within_processes or _compat.in_symbolic_build():
-                return local
-            # Every local replica holds the process's result: the first's, dense (IndexedSlices too).
-            firsts = [tf.convert_to_tensor(strategy.experimental_local_results(r)[0]) for r in local]
-            mean = reduce_op == tf.distribute.ReduceOp.MEAN
-            totals = reduce_over_processes(firsts, mean, strategy._weights())
-            return [
-                self._broadcast_to(total, destination)
-                for total, (_, destination) in zip(totals, value_destination_pairs, strict=True)
-            ]
-
-        # A subclass, so that isinstance checks on the extended still pass.
-        across = _ACROSS_CLASSES[base] = type(base.__name__, (base,), {"_batch_reduce_to": _batch_reduce_to})
-    extended.__class__ = across
+    if strategy.comm.size == 1 or strategy.reductions_within_processes or _compat.in_symbolic_build():
+        return None
+    # Every local replica holds the process's result: the first's, dense (IndexedSlices too).
+    firsts = [tf.convert_to_tensor(strategy.experimental_local_results(r)[0]) for r in local]
+    mean = reduce_op == tf.distribute.ReduceOp.MEAN
+    return reduce_over_processes(firsts, mean, strategy.process_weights())
 
 
 def wrap_under_adasum_strategy(optimizer: Any) -> Any:
@@ -240,7 +200,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 devices = _default_devices(self.comm)
             _refuse_other_processes_devices(devices, self.comm.rank)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
-        _reducing_across_processes(self.extended)
+        _compat.install_batch_reduction(self.extended, _reduced_across_processes)
         self.reductions_within_processes = 0  # see sync.within_processes
         _compat.quiet_per_device_iterators()  # or epoch boundaries stall with many replicas
         self._recent_iterators: collections.deque[Any] = collections.deque(maxlen=KEPT_ITERATORS)
@@ -280,7 +240,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             with tf.init_scope():  # in cross-replica context: eagerly, under this strategy
                 wrapper = AdasumOptimizer(optimizer, sync_every=self.sync_every)
             # tf.train.Checkpoint(optimizer=optimizer) then holds every replica's optimizer state too.
-            optimizer._track_trackable(wrapper.replica_state, name="tf_adasum_replica_state", overwrite=True)
+            _compat.track(optimizer, wrapper.replica_state, "tf_adasum_replica_state")
         return wrapper
 
     def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
@@ -300,7 +260,9 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 return parts[0] if len(parts) == 1 else parts
 
             dataset = dataset.map(my_part)
-        return _keeping_iterators(super().experimental_distribute_dataset(dataset, options), self)
+        return _compat.hold_iterators(
+            super().experimental_distribute_dataset(dataset, options), self._recent_iterators.append
+        )
 
     def distribute_datasets_from_function(self, dataset_fn: Any, options: Any = None) -> Any:
         """As MultiWorkerMirroredStrategy: each process is one input pipeline of the job.
@@ -311,7 +273,9 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         `ctx.get_per_replica_batch_size(global_batch)` give each process its share.
         """
         if self.comm.size == 1:
-            return _keeping_iterators(super().distribute_datasets_from_function(dataset_fn, options), self)
+            return _compat.hold_iterators(
+                super().distribute_datasets_from_function(dataset_fn, options), self._recent_iterators.append
+            )
         rank, size = self.comm.rank, self.comm.size
 
         def for_this_process(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -323,7 +287,10 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
                 )
             )
 
-        return _keeping_iterators(super().distribute_datasets_from_function(for_this_process, options), self)
+        return _compat.hold_iterators(
+            super().distribute_datasets_from_function(for_this_process, options),
+            self._recent_iterators.append,
+        )
 
     def reduce(self, reduce_op: Any, value: Any, axis: Any) -> Any:
         """As MultiWorkerMirroredStrategy: across all replicas of all processes.
@@ -338,10 +305,10 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             # Keras's build before fit reduces one batch for its shapes only, and only where a process
             # has several replicas: across processes it would meet nothing where one has a single one.
             return local
-        mean, weights = op == tf.distribute.ReduceOp.MEAN, self._weights()
+        mean, weights = op == tf.distribute.ReduceOp.MEAN, self.process_weights()
         return reduce_over_processes(local, mean, weights)  # one collective per kind of dtype
 
-    def _weights(self) -> list[float] | None:
+    def process_weights(self) -> list[float] | None:
         """Each process's share of the replicas, where they differ (a mean over processes then weighs
         each by it); None where every process holds as many."""
         counts = self.replica_counts
@@ -372,7 +339,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         # (BatchNorm moving statistics, per replica under Keras 3) and the logs, every float scalar,
         # averaged over every replica of every process, so that every process holds the same model and a
         # callback that stops on the logs (TerminateOnNaN) stops everywhere.
-        weights = self._weights()
+        weights = self.process_weights()
         if trains:
             average_state_over_processes(model.non_trainable_variables, weights)
         return average_logs(self._local_means(outputs), weights)

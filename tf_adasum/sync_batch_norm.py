@@ -13,7 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import distributed
+from tf_adasum import _compat, distributed
 
 
 @tf.custom_gradient
@@ -28,7 +28,7 @@ def _summed_over_processes(local: tf.Tensor) -> Any:
 
 
 @keras.saving.register_keras_serializable(package="tf_adasum")
-class SyncBatchNormalization(keras.layers.BatchNormalization):
+class SyncBatchNormalization(_compat.BatchNormalizationMoments):
     """keras.layers.BatchNormalization whose training-time mean and variance are the global batch's.
 
     The statistics are combined as counts, sums and sums of squares (in float64: a variance from
@@ -60,8 +60,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             kwargs["name"] = "sync_batch_normalization"
         super().__init__(**kwargs)
 
-    def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
-        mean, variance = super()._moments(inputs, mask)
+    def combine_moments(self, inputs: Any, mask: Any, mean: Any, variance: Any) -> tuple[Any, Any]:
+        """The global batch's mean and variance, from this process's (see the class's doc)."""
         comm = distributed.init()
         if comm.size == 1:
             return mean, variance
@@ -77,7 +77,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             count = tf.fill(tf.shape(mean), rows)
         else:  # the rows the mask keeps, per channel, as Keras's masked moments count them
             kept = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.float64), tf.shape(inputs))
-            count = tf.reshape(tf.reduce_sum(kept, self._reduction_axes), tf.shape(mean))
+            count = tf.reshape(tf.reduce_sum(kept, self.reduction_axes), tf.shape(mean))
         mean64, variance64 = tf.cast(mean, tf.float64), tf.cast(variance, tf.float64)
         # A process without rows has NaN moments: it adds zeros (multiply_no_nan), not NaN.
         local = tf.stack(

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import ops
+from tf_adasum import ops, timeline
 from tf_adasum.comm.base import Communicator, HostCommunicator
 from tf_adasum.fusion import ALIGN_BYTES, pieces
 from tf_adasum.tree import fill_nodes, fold_size
@@ -99,13 +99,19 @@ def _combine_tensors(
             comm.group_sum(tf.zeros([3 * n], tf.float64), block, "adasum block sum")
         return left
     bounds = tf.constant([0] + [e for _, _, e in pieces], tf.int64)
-    partial = ops.adasum_segment_dot_norms(left, right, bounds)
+    with timeline.ops_phase("dot and norms"):
+        partial = ops.adasum_segment_dot_norms(left, right, bounds)
     index = tf.constant([[t] for t, _, _ in pieces], tf.int64)
     # One row per tensor on every rank of the block, zero where this rank holds none of it.
     flat = tf.reshape(tf.scatter_nd(index, partial, [n, 3]), [-1])
-    total = flat if len(block) == 1 else comm.group_sum(flat, block, "adasum block sum")
+    if len(block) == 1:
+        total = flat
+    else:
+        with timeline.ops_phase("block sum", ranks=list(block)):
+            total = comm.group_sum(flat, block, "adasum block sum")
     rows = tf.gather(tf.reshape(total, [n, 3]), index[:, 0])
-    return ops.adasum_segment_combine(left, right, rows, bounds)
+    with timeline.ops_phase("combine"):
+        return ops.adasum_segment_combine(left, right, rows, bounds)
 
 
 def vhdd_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
@@ -119,28 +125,36 @@ def vhdd_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[
     if total == 0:
         return buffer
 
+    size = buffer.dtype.size
     if rank < 2 * r:
         if rank % 2 == 1:  # folded away: hand over, then wait for the result
-            comm.exchange(rank - 1, buffer, 0, "adasum fold")
-            return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
-        other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
-        buffer = _combine_tensors(comm, buffer, other, everything, n, [rank])
+            with timeline.ops_phase("fold", peer=rank - 1, bytes=total * size):
+                comm.exchange(rank - 1, buffer, 0, "adasum fold")
+            with timeline.ops_phase("result to folded rank", peer=rank - 1, bytes=total * size):
+                return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
+        with timeline.ops_phase("fold", peer=rank + 1, bytes=total * size):
+            other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
+            buffer = _combine_tensors(comm, buffer, other, everything, n, [rank])
     v = rank // 2 if rank < 2 * r else rank - r
 
     levels = _halving(v, r, p2, total, align)
-    for level in levels:  # buffer holds the segment that starts at level.lo
+    for i, level in enumerate(levels):  # buffer holds the segment that starts at level.lo
         (klo, khi), (glo, ghi), lo = level.keep, level.give, level.lo
-        mine = buffer[klo - lo : khi - lo]
-        theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
-        left, right = (mine, theirs) if level.lower else (theirs, mine)
-        buffer = _combine_tensors(comm, left, right, pieces(offsets, klo, khi), n, level.block)
+        with timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
+            mine = buffer[klo - lo : khi - lo]
+            theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
+            left, right = (mine, theirs) if level.lower else (theirs, mine)
+            buffer = _combine_tensors(comm, left, right, pieces(offsets, klo, khi), n, level.block)
 
-    for level in reversed(levels):  # buffer holds level.keep; the peer sends back what was given
-        theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
-        buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
+    for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
+        keep_bytes = (level.keep[1] - level.keep[0]) * size
+        with timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes):
+            theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
+            buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
 
     if rank < 2 * r:
-        comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
+        with timeline.ops_phase("result to folded rank", peer=rank + 1, bytes=total * size):
+            comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
     return buffer
 
 
@@ -159,11 +173,13 @@ def _combine_host(
     if pieces:
         bounds = [0] + [e for _, _, e in pieces]
         index = [t for t, _, _ in pieces]
-        partial = ops.host_segment_dot_norms(left, right, bounds, threads)
+        with timeline.phase("dot and norms", bytes=2 * left.nbytes):
+            partial = ops.host_segment_dot_norms(left, right, bounds, threads)
         flat[index] = partial
     total = flat if len(block) == 1 else comm.group_sum_host(flat.reshape(-1), block, "adasum block sum")
     if pieces:
-        ops.host_segment_combine(left, right, total.reshape(n, 3)[index], out, bounds, threads)
+        with timeline.phase("combine", bytes=3 * left.nbytes):
+            ops.host_segment_combine(left, right, total.reshape(n, 3)[index], out, bounds, threads)
 
 
 def vhdd_host(
@@ -194,32 +210,38 @@ def vhdd_host(
         return
     if rank < 2 * r:
         if rank % 2 == 1:  # folded away: hand over, then wait for the result
-            comm.sendrecv_host(rank - 1, data, nothing, "adasum fold")
-            comm.sendrecv_host(rank - 1, nothing, buf, "adasum result to folded rank")
+            with timeline.phase("fold", peer=rank - 1, bytes=data.nbytes):
+                comm.sendrecv_host(rank - 1, data, nothing, "adasum fold")
+            with timeline.phase("result to folded rank", peer=rank - 1, bytes=buf.nbytes):
+                comm.sendrecv_host(rank - 1, nothing, buf, "adasum result to folded rank")
             return
         other = np.empty_like(buf)
-        comm.sendrecv_host(rank + 1, nothing, other, "adasum fold")
-        _combine_host(comm, data, other, buf, pieces(offsets, 0, total), n, [rank], threads)
+        with timeline.phase("fold", peer=rank + 1, bytes=buf.nbytes):
+            comm.sendrecv_host(rank + 1, nothing, other, "adasum fold")
+            _combine_host(comm, data, other, buf, pieces(offsets, 0, total), n, [rank], threads)
         data, scratch = buf, other
     else:
         scratch = np.empty(total - total // 2 // align * align, buf.dtype)
     v = rank // 2 if rank < 2 * r else rank - r
 
     levels = _halving(v, r, p2, total, align)
-    for level in levels:  # each level's kept half holds the next level's segment
+    for i, level in enumerate(levels):  # each level's kept half holds the next level's segment
         (klo, khi), (glo, ghi) = level.keep, level.give
         mine, theirs = data[klo:khi], scratch[: khi - klo]
-        comm.sendrecv_host(level.peer, data[glo:ghi], theirs, "adasum halving")
-        left, right = (mine, theirs) if level.lower else (theirs, mine)
-        _combine_host(comm, left, right, buf[klo:khi], pieces(offsets, klo, khi), n, level.block, threads)
+        with timeline.phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * buf.itemsize):
+            comm.sendrecv_host(level.peer, data[glo:ghi], theirs, "adasum halving")
+            left, right = (mine, theirs) if level.lower else (theirs, mine)
+            _combine_host(comm, left, right, buf[klo:khi], pieces(offsets, klo, khi), n, level.block, threads)
         data = buf
 
-    for level in reversed(levels):  # send the part kept, receive the part given, in place
+    for i, level in reversed(list(enumerate(levels))):  # send the part kept, receive the part given
         (klo, khi), (glo, ghi) = level.keep, level.give
-        comm.sendrecv_host(level.peer, buf[klo:khi], buf[glo:ghi], "adasum gather")
+        with timeline.phase(f"gather level {i + 1}", peer=level.peer, bytes=(khi - klo) * buf.itemsize):
+            comm.sendrecv_host(level.peer, buf[klo:khi], buf[glo:ghi], "adasum gather")
 
     if rank < 2 * r:
-        comm.sendrecv_host(rank + 1, buf, nothing, "adasum result to folded rank")
+        with timeline.phase("result to folded rank", peer=rank + 1, bytes=buf.nbytes):
+            comm.sendrecv_host(rank + 1, buf, nothing, "adasum result to folded rank")
 
 
 def gather_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import _compat
+from tf_adasum import _compat, timeline
 from tf_adasum.comm.base import HostCommunicator
 from tf_adasum.errors import PeerError, timeout_seconds
 
@@ -104,7 +104,8 @@ class MPICommunicator(HostCommunicator):
                 time.sleep(_POLL_SLEEP_SECONDS)
 
     def _wait(self, requests: list[Any], what: str, peers: str) -> None:
-        self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers)
+        with timeline.phase("wait", on=peers):
+            self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers)
 
     def host_call(
         self,
@@ -154,11 +155,14 @@ class MPICommunicator(HostCommunicator):
 
     def _sendrecv(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
         self.bytes_sent += send.nbytes
-        requests = [
-            self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
-            self._comm.Isend(self._bytes(send), dest=peer, tag=7),
-        ]
-        self._wait(requests, what, f"rank {peer}")
+        with timeline.phase(
+            "exchange", what=what, peer=peer, bytes_sent=send.nbytes, bytes_received=recv.nbytes
+        ):
+            requests = [
+                self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
+                self._comm.Isend(self._bytes(send), dest=peer, tag=7),
+            ]
+            self._wait(requests, what, f"rank {peer}")
 
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
         self._sendrecv(peer, send, recv, what)
@@ -166,7 +170,8 @@ class MPICommunicator(HostCommunicator):
     def allgather_host(self, send: np.ndarray, recv: np.ndarray, what: str) -> None:
         # On Adasum's own communicator (see __init__).
         self.bytes_sent += send.nbytes * (self.size - 1)
-        self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, "all ranks")
+        with timeline.phase("allgather", what=what, bytes_sent=send.nbytes * (self.size - 1)):
+            self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, "all ranks")
 
     def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
         key = tuple(group)
@@ -174,7 +179,10 @@ class MPICommunicator(HostCommunicator):
             self.prepare_groups([key])
         out = np.empty_like(values)
         self.bytes_sent += values.nbytes
-        self._wait([self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}")
+        with timeline.phase("block sum", what=what, ranks=list(key), bytes=values.nbytes):
+            self._wait(
+                [self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}"
+            )
         return out
 
     def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
@@ -243,7 +251,8 @@ class MPICommunicator(HostCommunicator):
         def missing() -> str:
             return f"rank(s) {[r for r, request in receives.items() if not request.Test()]}"
 
-        self._poll(lambda: self._mpi.Request.Testall([*receives.values(), *sends]), what, missing)
+        with timeline.phase("agreement", what=what, ranks=self.size):
+            self._poll(lambda: self._mpi.Request.Testall([*receives.values(), *sends]), what, missing)
         return out
 
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:

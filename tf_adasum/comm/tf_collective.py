@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tf_adasum import timeline
 from tf_adasum.comm.base import Communicator
 from tf_adasum.errors import LOST_PEER, PeerError, timeout_seconds
 
@@ -243,14 +244,19 @@ class TFCollectiveCommunicator(Communicator):
         if n == 0:
             return send[:0]
         padded = tf.pad(send, [[0, n - sent]]) if n > sent else send
-        both = self._gather(padded, [self.rank, peer], what)
+        size = send.dtype.size
+        with timeline.ops_phase(
+            "exchange", what=what, peer=peer, bytes_sent=n * size, bytes_received=n * size
+        ):
+            both = self._gather(padded, [self.rank, peer], what)
         start = n if self._position[peer] > self._position[self.rank] else 0
         received = both[start : start + recv_size]
         received.set_shape([recv_size])  # the gather's output shape is unknown inside a graph
         return received
 
     def group_sum(self, values: tf.Tensor, group: Sequence[int], what: str) -> tf.Tensor:
-        total = self._collective("reduce", values, group, what)
+        with timeline.ops_phase("block sum", what=what, ranks=list(group)):
+            total = self._collective("reduce", values, group, what)
         total.set_shape(values.shape)
         return total
 
@@ -259,7 +265,9 @@ class TFCollectiveCommunicator(Communicator):
         return tf.gather(gathered, by_rank)
 
     def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
-        stacked = self._in_rank_order(self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather"))
+        with timeline.ops_phase("allgather", ranks=self.size):
+            gathered = self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather")
+        stacked = self._in_rank_order(gathered)
         stacked.set_shape([self.size, *tensor.shape])
         return stacked
 
@@ -287,9 +295,10 @@ class TFCollectiveCommunicator(Communicator):
     def agree(self, codes: tf.Tensor, what: str) -> tf.Tensor:
         # Instance key 1 of the control group, every time: a rank's eager call and another's call from a
         # traced train step must meet, and traced collectives keep the keys they were traced with.
-        gathered = self._collective(
-            "gather", tf.expand_dims(codes, 0), range(self.size), what, instance_key=1
-        )
+        with timeline.ops_phase("agreement", what=what, ranks=self.size):
+            gathered = self._collective(
+                "gather", tf.expand_dims(codes, 0), range(self.size), what, instance_key=1
+            )
         stacked = self._in_rank_order(gathered)
         stacked.set_shape([self.size, *codes.shape])
         return stacked
@@ -307,7 +316,8 @@ class TFCollectiveCommunicator(Communicator):
         payload = tf.expand_dims(tf.concat([words, buffer], 0), 0)
         if buffer.dtype == tf.bfloat16:  # the runtime gathers no bfloat16: its bits travel as float16
             payload = tf.bitcast(payload, tf.float16)
-        gathered = self._collective("gather", payload, range(self.size), what, instance, "sync")
+        with timeline.ops_phase("agreement and allgather", what=what, ranks=self.size):
+            gathered = self._collective("gather", payload, range(self.size), what, instance, "sync")
         if buffer.dtype == tf.bfloat16:
             gathered = tf.bitcast(gathered, tf.bfloat16)
         stacked = self._in_rank_order(gathered)

@@ -1,0 +1,177 @@
+"""Hooks into tf.distribute and tf.data internals.
+
+`distributed dataset iterators`
+    A distributed dataset's class, swapped for a subclass whose __iter__ hands each eagerly made iterator
+    to tf_adasum (hold_iterators): AdasumStrategy keeps the latest few alive, against a crash in
+    TensorFlow's MultiDeviceIterator when one is destroyed while its thread reads.
+`MirroredExtended._batch_reduce_to`
+    MirroredStrategy's batched reduction (behind ReplicaContext.all_reduce and
+    extended.batch_reduce_to), with `_container_strategy` and `_broadcast_to`: the extended's class is
+    swapped for a subclass that reduces the local results across processes too
+    (install_batch_reduction), as MultiWorkerMirroredStrategy's are.
+`_create_device_dataset`
+    tf.data's per-device prefetch datasets (quiet_per_device_iterators). Optional: without it, epoch
+    boundaries can be slow with many replicas, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from tf_adasum._compat.registry import hook_problem, mark, register, replaced, require, uses
+
+
+def _distributed_dataset_classes() -> tuple[type, ...]:
+    from tensorflow.python.distribute import input_lib
+
+    return input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction
+
+
+def _mirrored_extended() -> Any:
+    from tensorflow.python.distribute.mirrored_strategy import MirroredExtended
+
+    return MirroredExtended
+
+
+# --- distributed dataset iterators ----------------------------------------------------------------
+
+
+@register(
+    "distributed dataset iterators",
+    "AdasumStrategy cannot hold its latest iterators, and a dropped one can crash the process",
+)
+def _check_dataset_iterators() -> str | None:
+    for cls in _distributed_dataset_classes():
+        if "__iter__" not in vars(cls):
+            return f"{cls.__name__} no longer defines __iter__"
+    return None
+
+
+_HOLDING_CLASSES: dict[type, type] = {}
+
+
+def hold_iterators(distributed: Any, keep: Callable[[Any], None]) -> Any:
+    """`distributed` (a distributed dataset), whose iterators, made eagerly, are passed to keep(iterator).
+
+    A subclass is swapped in, so that isinstance checks on the distributed dataset still pass. An
+    iterator made inside a traced function lives in its graph and is not passed on.
+    """
+    require("distributed dataset iterators")
+    base = type(distributed)
+    holding = _HOLDING_CLASSES.get(base)
+    if holding is None:
+
+        def __iter__(self: Any) -> Any:
+            iterator = base.__iter__(self)
+            if tf.executing_eagerly():
+                self._tf_adasum_keep(iterator)
+            return iterator
+
+        holding = _HOLDING_CLASSES[base] = type(base.__name__, (base,), {"__iter__": __iter__})
+    distributed.__class__ = holding
+    distributed._tf_adasum_keep = keep
+    return distributed
+
+
+# --- MirroredExtended._batch_reduce_to -------------------------------------------------------------
+
+
+@register(
+    "MirroredExtended._batch_reduce_to",
+    "under AdasumStrategy across processes, ReplicaContext.all_reduce would reduce one process only",
+)
+def _check_batch_reduce() -> str | None:
+    extended = _mirrored_extended()
+    for name in ("_batch_reduce_to", "_container_strategy", "_broadcast_to"):
+        if not callable(getattr(extended, name, None)):
+            return f"MirroredExtended has no {name}"
+    if not uses(tf.distribute.StrategyExtended.batch_reduce_to, "_batch_reduce_to"):
+        return "StrategyExtended.batch_reduce_to no longer reduces through _batch_reduce_to"
+    if not uses(tf.distribute.ReplicaContext.all_reduce, "batch_reduce_to"):
+        return "ReplicaContext.all_reduce no longer reduces through batch_reduce_to"
+    return None
+
+
+_REDUCING_CLASSES: dict[type, type] = {}
+
+# across(strategy, reduce_op, local results) -> the totals to put on each destination, or None for the
+# local results as they are.
+Across = Callable[[Any, Any, list[Any]], "list[tf.Tensor] | None"]
+
+
+def install_batch_reduction(extended: Any, across: Across) -> None:
+    """Makes `extended`'s batched reductions pass their local results through across(...): where it
+    returns totals, one per value, each is put on its value's destinations instead.
+
+    A subclass is swapped in, so that isinstance checks on the extended still pass.
+    """
+    require("MirroredExtended._batch_reduce_to")
+    base = type(extended)
+    reducing = _REDUCING_CLASSES.get(base)
+    if reducing is None:
+
+        def _batch_reduce_to(self: Any, reduce_op: Any, value_destination_pairs: Any, options: Any) -> Any:
+            local = base._batch_reduce_to(self, reduce_op, value_destination_pairs, options)
+            totals = self._tf_adasum_across(self._container_strategy(), reduce_op, local)
+            if totals is None:
+                return local
+            return [
+                self._broadcast_to(total, destination)
+                for total, (_, destination) in zip(totals, value_destination_pairs, strict=True)
+            ]
+
+        reducing = _REDUCING_CLASSES[base] = type(
+            base.__name__, (base,), {"_batch_reduce_to": _batch_reduce_to}
+        )
+    extended.__class__ = reducing
+    extended._tf_adasum_across = across
+
+
+# --- _create_device_dataset -----------------------------------------------------------------------
+
+
+@register(
+    "_create_device_dataset",
+    "epoch boundaries may stall with many replicas (nothing else changes)",
+    required=False,
+)
+def _check_device_datasets() -> str | None:
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    if not callable(getattr(multi_device_iterator_ops, "_create_device_dataset", None)):
+        return "tf.data's multi_device_iterator_ops has no _create_device_dataset"
+    return None
+
+
+def quiet_per_device_iterators() -> None:
+    """Turns tf.data autotuning off on the per-device prefetch datasets of distributed datasets.
+
+    Why: MirroredStrategy (and so AdasumStrategy) feeds each replica through a per-device prefetch
+    dataset with a fixed one-element buffer, and each of their iterators starts an autotuning thread.
+    Keras makes a new distributed iterator every epoch; destroying the old one waits for every such
+    thread to end (RootDataset::Iterator::~Iterator), and an autotuning thread can sleep through its
+    cancellation for a whole optimisation period, up to 60 s, each. With 32 replicas on 2 cores the
+    epoch boundary then stalls for minutes at 0% CPU (stack: the main thread in
+    ~MultiDeviceIterator -> ~RootDataset::Iterator -> ~LogicalThreadWrapper; the threads it waits for
+    in Model::OptimizeLoop). A one-element buffer has nothing to tune, so nothing is lost. The source
+    dataset keeps its own options.
+    """
+    if hook_problem("_create_device_dataset") is not None:
+        return
+    from tensorflow.python.data.ops import multi_device_iterator_ops as module
+
+    before = module._create_device_dataset
+    if replaced(before):
+        return
+
+    @functools.wraps(before)
+    def create_device_dataset(*args: Any, **kwargs: Any) -> Any:
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return before(*args, **kwargs).with_options(options)
+
+    module._create_device_dataset = mark(create_device_dataset, before)

@@ -1,0 +1,180 @@
+"""Hooks into Keras's TensorFlow trainer.
+
+`train_step / test_step`
+    TensorFlowTrainer's make_train_function / make_test_function, which pass the model's bound
+    train_step / test_step to strategy.run. tf_adasum wraps the functions they build (to translate its
+    errors, and to know a Keras step is running) and recognises the bound steps, to average logs and
+    BatchNorm statistics across processes. An unrecognised step inside a Keras train or test function
+    raises HookError.
+`_maybe_symbolic_build`
+    TensorFlowTrainer's build of the model on one batch before fit, evaluate and predict. Where a
+    process holds several replicas it reduces that batch through strategy.reduce, for its shapes only; a
+    process with one replica has no per-replica batch and calls nothing. tf_adasum marks the build
+    (in_symbolic_build), so that AdasumStrategy.reduce stays inside the process there: a reduce across
+    processes would meet nothing on the one-replica process (install_symbolic_build_mark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+
+from tf_adasum._compat.registry import hook_problem, mark, original, register, replaced, uses
+
+
+def _trainer() -> Any:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer
+
+
+@register("train_step / test_step", "logs and BatchNorm statistics would not be averaged across processes")
+def _check_steps() -> str | None:
+    trainer = _trainer()
+    for maker, step in (("make_train_function", "train_step"), ("make_test_function", "test_step")):
+        function = getattr(trainer, maker, None)
+        if function is None:
+            return f"TensorFlowTrainer has no {maker}"
+        if not uses(original(function), step):
+            return f"TensorFlowTrainer.{maker} no longer runs the model's {step}"
+    return None
+
+
+@register(
+    "_maybe_symbolic_build",
+    "a process with one replica beside processes with several fails at fit's first batch",
+    required=False,
+)
+def _check_symbolic_build() -> str | None:
+    build = getattr(_trainer(), "_maybe_symbolic_build", None)
+    if build is None:
+        return "TensorFlowTrainer has no _maybe_symbolic_build"
+    if not uses(original(build), "reduce"):
+        return "TensorFlowTrainer._maybe_symbolic_build no longer reduces its batch through the strategy"
+    return None
+
+
+# --- train_step / test_step -------------------------------------------------------------------------
+
+_running = threading.local()
+
+
+def keras_step(fn: Any) -> tuple[Any, str] | None:
+    """(model, "train" or "test") when fn is a model's bound train_step or test_step, else None."""
+    fn = getattr(fn, "python_function", fn)
+    model = getattr(fn, "__self__", None)
+    if isinstance(model, keras.Model) and getattr(fn, "__name__", None) in ("train_step", "test_step"):
+        return model, fn.__name__[: -len("_step")]
+    return None
+
+
+def keras_function_running() -> str | None:
+    """ "train" or "test" while a Keras train or test function runs (and is traced) on this thread."""
+    return getattr(_running, "kind", None)
+
+
+@contextlib.contextmanager
+def _running_keras_function(kind: str) -> Iterator[None]:
+    outer = keras_function_running()
+    _running.kind = kind
+    try:
+        yield
+    finally:
+        _running.kind = outer
+
+
+def install_step_hooks(
+    translate_errors: Callable[[Any], Any], before_train_function: Callable[[Any], None]
+) -> None:
+    """Wraps the functions Keras's make_train_function / make_test_function build, once per process.
+
+    Args:
+        translate_errors: wraps a train or test function so that tf_adasum's errors raised inside a
+            compiled step reach the caller as tf_adasum.PeerError, NonFiniteUpdateError or
+            UnevenDataError, naming the rank (instead of tf.errors.UnknownError).
+        before_train_function: called with the model before Keras makes its train function (tf_adasum
+            turns XLA off there for a model whose optimizer syncs).
+
+    The wrapped function also marks the thread as running a Keras step, so that AdasumStrategy.run
+    can tell an unrecognised step from a user's own function.
+    """
+    if hook_problem("train_step / test_step") is not None:
+        return
+    trainer = _trainer()
+    for maker, attribute, kind in (
+        ("make_train_function", "train_function", "train"),
+        ("make_test_function", "test_function", "test"),
+    ):
+        before = getattr(trainer, maker)
+        if replaced(before):
+            continue
+        setattr(
+            trainer,
+            maker,
+            mark(_step_maker(before, attribute, kind, translate_errors, before_train_function), before),
+        )
+
+
+def _step_maker(
+    maker: Any,
+    attribute: str,
+    kind: str,
+    translate_errors: Callable[[Any], Any],
+    before_train_function: Callable[[Any], None],
+) -> Any:
+    """make_train_function or make_test_function, wrapped: see install_step_hooks."""
+
+    @functools.wraps(maker)
+    def make(self: Any, force: bool = False) -> Any:
+        if kind == "train":
+            before_train_function(self)
+        maker(self, force)
+        function = getattr(self, attribute, None)
+        if function is not None and not replaced(function):
+            translated = translate_errors(function)
+
+            @functools.wraps(function)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with _running_keras_function(kind):
+                    return translated(*args, **kwargs)
+
+            setattr(self, attribute, mark(run, function))
+        return getattr(self, attribute)
+
+    return make
+
+
+# --- _maybe_symbolic_build ------------------------------------------------------------------------
+
+_building = threading.local()
+
+
+def in_symbolic_build() -> bool:
+    """Whether Keras is building a model on one batch (before fit, evaluate, predict) on this thread."""
+    return getattr(_building, "active", False)
+
+
+def install_symbolic_build_mark() -> None:
+    """Marks TensorFlowTrainer._maybe_symbolic_build's run (in_symbolic_build), once per process."""
+    if hook_problem("_maybe_symbolic_build") is not None:
+        return
+    trainer = _trainer()
+    before = trainer._maybe_symbolic_build
+    if replaced(before):
+        return
+
+    @functools.wraps(before)
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = in_symbolic_build()
+        _building.active = True
+        try:
+            return before(self, *args, **kwargs)
+        finally:
+            _building.active = outer
+
+    trainer._maybe_symbolic_build = mark(build, before)

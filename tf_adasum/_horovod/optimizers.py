@@ -1,0 +1,133 @@
+"""Horovod's DistributedOptimizer and PartialDistributedOptimizer for Keras 3 optimizers: op=Adasum is the
+paper's Adasum after the optimizer (an AdasumOptimizer); op=Average and Sum all-reduce the gradients
+before it (an AllreduceOptimizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from tf_adasum import distributed, engine, sync
+from tf_adasum._horovod.arguments import local_layer_list, unsupported
+from tf_adasum._horovod.compression import Compression, check_compressor
+from tf_adasum.allreduce_optimizer import AllreduceOptimizer
+from tf_adasum.distributed import Adasum, Average
+from tf_adasum.optimizer import AdasumOptimizer
+
+
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """Horovod's DistributedOptimizer for a Keras 3 optimizer, in a custom loop or under model.fit.
+
+    Args:
+        optimizer: the Keras optimizer to wrap.
+        name: optional name of the wrapper.
+        compression: Compression.none or Compression.fp16.
+        sparse_as_dense: accepted; sparse (IndexedSlices) gradients are always made dense.
+        op: Average or Sum all-reduce the gradients before the optimizer; Adasum combines the model
+            deltas after it (the paper's method), every `backward_passes_per_step` local steps.
+        backward_passes_per_step: with op=Adasum, the local steps between two syncs (each local step
+            applies its own gradient); with Average/Sum, Horovod's gradient accumulation: the passes'
+            gradients summed locally, then all-reduced once and applied.
+        average_aggregated_gradients: with Average/Sum, divide the accumulated gradients by
+            backward_passes_per_step, as Horovod; with op=Adasum and k > 1 a ValueError (nothing is
+            aggregated there).
+        scale_local_gradients: with Average/Sum, divide the gradients of local variables
+            (register_local_var) by the number of processes, as Horovod.
+        use_locking, device_dense, device_sparse, gradient_predivide_factor, num_groups, groups,
+        process_set: only their defaults are supported; anything else raises.
+
+    Returns:
+        An AdasumOptimizer (op=Adasum) or AllreduceOptimizer (op=Average/Sum) around `optimizer`.
+
+    Raises:
+        NotImplementedError: an argument that tf_adasum does not implement, named.
+        ValueError: an unknown op, or a bad backward_passes_per_step.
+    """
+    where = "DistributedOptimizer"
+    unsupported(where, use_locking=(use_locking, False), device_dense=(device_dense, ""))
+    unsupported(where, device_sparse=(device_sparse, ""), process_set=(process_set, None))
+    unsupported(where, gradient_predivide_factor=(gradient_predivide_factor, 1.0))
+    unsupported(where, num_groups=(num_groups, 0), groups=(groups, None))
+    check_compressor(where, compression)
+    chosen = distributed.ReduceOp(op)
+    sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
+    engine.init()
+    if chosen is Adasum:
+        if average_aggregated_gradients and backward_passes_per_step > 1:
+            raise ValueError(
+                f"{where}(op=Adasum, average_aggregated_gradients=True): with Adasum after the optimizer "
+                "each of the backward_passes_per_step passes is a local step of its own, and nothing is "
+                "aggregated to average; leave average_aggregated_gradients False"
+            )
+        return AdasumOptimizer(
+            optimizer, sync_every=backward_passes_per_step, name=name, compression=compression.name
+        )
+    return AllreduceOptimizer(
+        optimizer,
+        op=chosen,
+        name=name,
+        compression=compression.name,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        scale_local_gradients=scale_local_gradients,
+    )
+
+
+def PartialDistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: Any = None,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """Horovod's PartialDistributedOptimizer: DistributedOptimizer with every variable of `local_layers`
+    (a layer or a list of layers) registered as this worker's own (register_local_var)."""
+    wrapped = DistributedOptimizer(
+        optimizer,
+        name=name,
+        use_locking=use_locking,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for layer in local_layer_list("PartialDistributedOptimizer", local_layers):
+        for variable in layer.trainable_weights:
+            wrapped.register_local_var(variable)
+    return wrapped

@@ -1,0 +1,144 @@
+"""AdasumCallback: the one line that turns a plain Keras script into Adasum data parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_adasum import _compat, distributed, sync
+from tf_adasum.callbacks.batches import CountsBatches, retrace_with, retrace_without
+from tf_adasum.shared_state import agree_at_epoch_end, broadcast_model_and_optimizer, check_equal_steps
+from tf_adasum.variables import tf_variable
+
+
+class AdasumCallback(CountsBatches):
+    """Adasum after the optimizer, across the processes of a plain Keras script (no strategy).
+
+    Start the script as several processes (`mpirun -np 4 python train.py`, `horovodrun -np 4 python
+    train.py`, or `python -m tf_adasum.run -np 4 train.py`) and add this callback to `fit`. At train
+    begin it starts the engine and checks that every process will run the same number of batches;
+    before the first batch (after every callback's on_train_begin, so after a BackupAndRestore restore)
+    it broadcasts rank `root`'s model variables, and its optimizer state if no process has taken a step
+    yet (a resumed process keeps its own, see broadcast_model_and_optimizer). From then on each process
+    steps with its own optimizer and its own optimizer state (momentum, Adam moments), and every
+    `sync_every` optimizer steps the model deltas since the last sync are combined with Adasum across
+    processes, exactly as AdasumOptimizer does. The sync runs inside the compiled train step.
+
+    With `steps_per_execution > 1` nothing changes: the sync belongs to the optimizer step, so it still
+    happens after every `sync_every`-th step inside the compiled loop; Keras only calls the batch hooks
+    once per execution.
+
+    The model keeps the optimizer you compiled it with: during `fit` its `apply` is extended with the
+    sync, and after `fit` it is the plain optimizer again, so the model saves and loads without
+    tf_adasum (a checkpoint written during `fit` holds it too).
+
+    Under the TF engine (tf_adasum.run, horovodrun's Gloo mode, TF_CONFIG), TensorFlow's collective
+    runtime must start before the first op: `import tf_adasum` does that for processes started by
+    tf_adasum.run or horovodrun; with a TF_CONFIG of your own, call `tf_adasum.init()` at the top.
+
+    Args:
+        sync_every: optimizer steps between two Adasum combinations.
+        root: the rank whose weights and optimizer state every process starts from.
+
+    Raises:
+        ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
+            AdasumStrategy), or an optimizer that already combines across processes.
+        UnevenDataError: the processes would run different numbers of batches.
+        NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
+        PeerError: a process died or stopped answering.
+
+    Example:
+        >>> model.fit(x_shard, y_shard, epochs=5, callbacks=[tf_adasum.AdasumCallback()])
+    """
+
+    def __init__(self, sync_every: int = 1, root: int = 0) -> None:
+        super().__init__()
+        sync.check_sync_every(sync_every)
+        # Mixed precision's skip decision must be global, and errors inside steps translated.
+        _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step")
+        if not isinstance(root, int) or root < 0:
+            raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
+        self.sync_every = sync_every
+        self.root = root
+        self._optimizer: keras.optimizers.Optimizer | None = None
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_begin(logs)
+        model, optimizer = self.model, self.model.optimizer
+        if model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
+            raise ValueError(
+                "AdasumCallback is for one process per worker without a tf.distribute strategy; under a "
+                f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
+            )
+        stepping = _compat.loss_scale_inner(optimizer)  # under mixed_float16, inside a LossScaleOptimizer
+        if sync.extended_by_callback(stepping):
+            del stepping.apply  # left by a fit that raised before on_train_end could restore it
+        if sync.syncs(stepping):
+            raise ValueError(
+                f"the model's optimizer is already a {type(stepping).__name__}, which combines across "
+                "processes itself: use either it or AdasumCallback, not both"
+            )
+        distributed.init()
+        check_equal_steps(self.params)
+        variables = list(model.trainable_variables)
+        if not model.weights:
+            raise ValueError(
+                "AdasumCallback: the model has no weights yet (Keras builds a Sequential without an Input "
+                "only in its first step), so there is nothing to combine: give it one, "
+                "keras.Sequential([keras.Input(shape), ...]), or call model.build(input_shape) before fit"
+            )
+        if not optimizer.built:
+            optimizer.build(variables)
+        # The window's anchors (sync.start_window) and, with sync_every > 1, the weights as the last step
+        # left them, outside the optimizer so that it saves as the user's own. Each fit starts a window
+        # at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
+        self._anchors = [
+            tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
+        ]
+        lasts = (
+            [tf.Variable(tf_variable(v), trainable=False, name="adasum_last") for v in variables]
+            if self.sync_every > 1
+            else None
+        )
+        self._lasts = lasts
+        # The sync extends the optimizer that steps, so that a step mixed precision skips for overflow
+        # skips the sync too. The skip is decided on every process at once (optimizer.finite_everywhere),
+        # since the sync is a collective.
+        anchors, local_step = self._anchors, stepping.apply
+        every, distribution = self.sync_every, tf.distribute.get_strategy()
+
+        def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
+            sync.start_window(variables, anchors, stepping.iterations, every, lasts)
+            local_step(grads, trainable_variables)
+            stats = sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
+            sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
+            sync.record_lasts(variables, lasts)
+
+        setattr(apply_then_sync, sync.SYNCS, True)
+        stepping.apply = apply_then_sync
+        self._optimizer = stepping
+        self._started = False
+        retrace_with(model)  # a train function traced before (an earlier fit) would not sync
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if not self._started:
+            # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
+            broadcast_model_and_optimizer(self.model, self.root, state_per_process=True)
+            # This fit's first step opens a window, whatever the iteration count says.
+            for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
+                anchor.assign(tf_variable(variable))
+            if self._lasts is not None:
+                for last, variable in zip(self._lasts, self.model.trainable_variables, strict=True):
+                    last.assign(tf_variable(variable))
+            self._started = True
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        agree_at_epoch_end(self.model, epoch, self.batches)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._optimizer is not None:
+            del self._optimizer.apply  # the class's own apply again
+            self._optimizer = None
+            retrace_without(self.model)
