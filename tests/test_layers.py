@@ -17,7 +17,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 
 FLOORS: list[list[str]] = [
     # leaves: nothing of tf_adasum
-    ["elastic_protocol", "compression", "variables", "ops", "_quiet", "hosts", "comm", "_horovod"],
+    [
+        "elastic_protocol",
+        "compression",
+        "variables",
+        "ops",
+        "_quiet",
+        "hosts",
+        "launch_output",
+        "comm",
+        "_horovod",
+    ],
     # errors (the peer timeout is the elastic protocol's); the elastic launcher's membership rules;
     # the numpy views the MPI engine receives into
     ["errors", "elastic_policy", "_compat.numpy_views"],

@@ -52,7 +52,8 @@ def adasum(
     """
     if comm.size == 1:
         return list(tensors)
-    timeline.mark_cycle("adasum sync", tensors=len(tensors))
+    if tf.executing_eagerly():  # a compiled sync is marked where it is called, or in its host call
+        timeline.mark_cycle("adasum sync", tensors=len(tensors))
     with timeline.ops_phase("adasum sync", tensors=len(tensors)):
         return _adasum(comm, tensors, names, metadata, first)
 

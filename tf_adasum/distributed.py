@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import across_processes, agreement, errors, fusion, ops
+from tf_adasum import across_processes, agreement, errors, fusion, ops, timeline
 from tf_adasum.comm.base import Communicator
 from tf_adasum.compression import narrowed, widened
 from tf_adasum.engine import (
@@ -132,6 +132,10 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     return out[0] if single else out
 
 
+def _bytes(tensor: tf.Tensor) -> int:
+    return int(tensor.shape.num_elements() or 0) * tensor.dtype.size
+
+
 # The compiled eager syncs, by (communicator, forced algorithm, the tensors' specs, their names), the
 # least recently used first; past this many the oldest goes (its keys are its signature's, so a later
 # trace of it gets the same keys).
@@ -166,7 +170,13 @@ def _compiled_adasum(
             _compiled_syncs.popitem(last=False)
     _compiled_syncs.move_to_end(key)
     try:
-        return list(sync(*items))
+        # One event for the whole sync: its phases are ops of the compiled function, named after them
+        # for TensorBoard's profiler, and Python does not see them run (tf_adasum/timeline.py).
+        timeline.mark_cycle("adasum sync", tensors=len(items))
+        with timeline.phase(
+            "adasum sync (compiled)", tensors=len(items), bytes=sum(_bytes(t) for t in items)
+        ):
+            return list(sync(*items))
     except tf.errors.OpError as error:
         if "MetadataDiffers" in error.message:  # raised by the agreement, on every rank
             raise agreement.MetadataDiffers(error.message) from error

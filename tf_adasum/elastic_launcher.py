@@ -39,6 +39,7 @@ from tf_adasum import elastic_policy as policy
 from tf_adasum.elastic_policy import parse_slots
 from tf_adasum.elastic_protocol import NoticeBoard, peer_timeout_seconds, process_environment
 from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, remote_command
+from tf_adasum.launch_output import Output
 
 DISCOVERY_SECONDS = 1.0
 
@@ -86,16 +87,6 @@ class Worker:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
 
 
-def _forward(worker: Worker, lock: threading.Lock) -> None:
-    for line in iter(worker.proc.stdout.readline, b""):
-        worker.tail.append(line.decode(errors="replace").rstrip())
-        if not line.endswith(b"\n"):  # a process's last words (a progress bar): never glued to another's
-            line += b"\n"
-        with lock:
-            sys.stdout.buffer.write(f"[{worker.rank}] ".encode() + line)
-            sys.stdout.buffer.flush()
-
-
 def _say(message: str) -> None:
     sys.stderr.write(f"tf_adasum.run: {message}\n")
     sys.stderr.flush()
@@ -114,6 +105,7 @@ def elastic_launch(
     agent: str = DEFAULT_AGENT,
     state_dir: str | None = None,
     resume_from: str | None = None,
+    output_filename: str | None = None,
 ) -> int:
     """Runs `command` elastically; returns 0 when a group finishes, else the failure's exit code.
 
@@ -131,6 +123,8 @@ def elastic_launch(
         state_dir: where processes write their commits when they leave a group (on their own host).
         resume_from: a group directory of an earlier job's state_dir: the first group resumes from its
             commits (rank i from the i-th file by old rank), as if it were the next group.
+        output_filename: a folder for each process's stdout and stderr, per group:
+            DIR/group<g>/rank.<r>/stdout and stderr.
     """
     min_np = np if min_np is None else min_np
     max_np = np if max_np is None else max_np
@@ -146,7 +140,6 @@ def elastic_launch(
     threading.Thread(target=notices.serve_forever, daemon=True).start()
     advertised = "127.0.0.1" if all_local else _own_address()
     deadline = None if timeout is None else time.monotonic() + timeout
-    lock = threading.Lock()
 
     survivors: list[Worker] = []
     if resume_from:
@@ -206,7 +199,16 @@ def elastic_launch(
             survivors = []
             driver = f"{advertised}:{notices.server_address[1]}"
             code = _run_group(
-                group, members, command, notices, driver, more_slots, state_dir, agent, lock, deadline
+                group,
+                members,
+                command,
+                notices,
+                driver,
+                more_slots,
+                state_dir,
+                agent,
+                output_filename,
+                deadline,
             )
             if code is not None:
                 return code
@@ -284,7 +286,7 @@ def _run_group(
     more_slots: Any,
     state_dir: str,
     agent: str,
-    lock: threading.Lock,
+    output_filename: str | None,
     deadline: float | None,
 ) -> int | None:
     """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
@@ -298,6 +300,7 @@ def _run_group(
             f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}" for r, w in enumerate(members)
         )
     )
+    output = Output(os.path.join(output_filename, f"group{group}") if output_filename else None)
     for rank, w in enumerate(members):
         w.rank, w.outcome, w.code, w.proc = rank, None, None, None
         w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
@@ -308,9 +311,9 @@ def _run_group(
         env.update(process_environment(group, w.state_file, w.resume_file, driver))
         line = command if w.host in LOCAL_HOSTS else remote_command(agent, w.host, command, env)
         w.proc = subprocess.Popen(
-            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
-        threading.Thread(target=_forward, args=(w, lock), daemon=True).start()
+        output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
 
     def kill(w: Worker) -> None:
         if w.proc.poll() is None:
@@ -362,3 +365,4 @@ def _run_group(
         for w in members:
             if w.proc is not None:
                 w.proc.wait()
+        output.wait()

@@ -1,14 +1,16 @@
 """Starts N processes with TF_CONFIG set, on this host or on several: the TF engine's mpirun.
 
 Usage:
-    python -m tf_adasum.run -np N [-H host:slots,...] [--agent CMD] [--timeout SECONDS] script.py [args ...]
+    python -m tf_adasum.run -np N [-H host:slots,...] [--agent CMD] [--timeout SECONDS]
+        [--output-filename DIR] script.py [args ...]    (or -m module [args ...])
 
 Every process gets a TF_CONFIG naming the N workers and its own index. Without -H all N run here, on
 127.0.0.1. With -H (horovodrun's host list), ranks fill the hosts in order, slots processes each, and
 each worker's address is its host's; a host other than localhost and 127.0.0.1 is reached through the
 agent (default `ssh -o BatchMode=yes`; anything called as `AGENT HOST COMMAND`, as Open MPI's rsh
 agent is), which runs `cd CWD && env ... python script.py args` there: the same paths on every host,
-and this process's environment. Output lines are prefixed with "[rank]". The exit code is the first
+and this process's environment. The output is shown as tf_adasum/launch_output.py says: in a log, whole lines
+prefixed with "[rank]"; on a terminal, rank 0's progress bar alone. The exit code is the first
 failure's (0 if all succeed). When one process fails, the others have GRACE_SECONDS to end on their
 own (a dead peer's closed connections usually make tf_adasum raise PeerError in them at once, naming
 it, and a script can report it), then are killed; on Ctrl-C or the timeout all are killed at once.
@@ -24,7 +26,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from tf_adasum.hosts import (
@@ -35,13 +36,7 @@ from tf_adasum.hosts import (
     parse_hosts,
     remote_command,
 )
-
-
-def _forward(rank: int, stream: object, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, b""):  # type: ignore[attr-defined]
-        with lock:
-            sys.stdout.buffer.write(f"[{rank}] ".encode() + line)
-            sys.stdout.buffer.flush()
+from tf_adasum.launch_output import Output
 
 
 def launch(
@@ -50,6 +45,7 @@ def launch(
     timeout: float | None = None,
     hosts: str | None = None,
     agent: str = DEFAULT_AGENT,
+    output_filename: str | None = None,
 ) -> int:
     """Runs `command` as np workers; returns the first non-zero exit code, or 0.
 
@@ -59,10 +55,11 @@ def launch(
         timeout: seconds after which every process is killed (exit code 124).
         hosts: horovodrun's -H list; default all on 127.0.0.1.
         agent: how a process starts on a host that is not this one.
+        output_filename: a folder for each rank's stdout and stderr (launch_output.py).
     """
     placed = parse_hosts(hosts, np) if hosts else ["127.0.0.1"] * np
     workers = [f"{host}:{port}" for host, port in zip(placed, free_ports(np), strict=True)]
-    lock = threading.Lock()
+    output = Output(output_filename)
     processes = []
     for rank in range(np):
         env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
@@ -71,9 +68,9 @@ def launch(
         )
         line = command if placed[rank] in LOCAL_HOSTS else remote_command(agent, placed[rank], command, env)
         proc = subprocess.Popen(
-            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
-        threading.Thread(target=_forward, args=(rank, proc.stdout, lock), daemon=True).start()
+        output.follow(rank, proc.stdout, proc.stderr)
         processes.append(proc)
 
     def kill_all() -> None:
@@ -112,6 +109,7 @@ def launch(
     finally:
         for p in processes:
             p.wait()
+        output.wait()
 
 
 def main() -> None:
@@ -149,9 +147,21 @@ def main() -> None:
         "--state-dir", default=None, help="where processes leave their commits for the next group"
     )
     elastic.add_argument("--resume-from", default=None, help="a group directory of STATE_DIR to resume from")
-    parser.add_argument("script")
+    parser.add_argument(
+        "--output-filename",
+        default=None,
+        help="a folder for every rank's stdout and stderr: DIR/rank.<r>/stdout and stderr (horovodrun's)",
+    )
+    parser.add_argument("-m", dest="module", default=None, help="run a module, as python -m MODULE does")
+    parser.add_argument(
+        "script", nargs="?", default=None, help="the script (or, with -m, its first argument)"
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.module is None and args.script is None:
+        parser.error("give the script to run, or -m MODULE")
+    program = ["-m", args.module] if args.module else []
+    command = [sys.executable, *program, *([args.script] if args.script else []), *args.args]
     if args.hosts and not args.elastic:
         try:
             parse_hosts(args.hosts, args.np)
@@ -179,7 +189,7 @@ def main() -> None:
         try:
             code = elastic_launch(
                 args.np,
-                [sys.executable, args.script, *args.args],
+                command,
                 min_np=args.min_np,
                 max_np=args.max_np,
                 hosts=args.hosts,
@@ -190,11 +200,12 @@ def main() -> None:
                 agent=args.agent,
                 state_dir=args.state_dir,
                 resume_from=args.resume_from,
+                output_filename=args.output_filename,
             )
         except ValueError as error:
             parser.error(str(error))
         sys.exit(code)
-    sys.exit(launch(args.np, [sys.executable, args.script, *args.args], args.timeout, args.hosts, args.agent))
+    sys.exit(launch(args.np, command, args.timeout, args.hosts, args.agent, args.output_filename))
 
 
 if __name__ == "__main__":
