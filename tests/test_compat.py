@@ -13,6 +13,7 @@ import tomllib
 from keras.src import optimizers as keras_optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.losses import loss as keras_loss_module
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as keras_trainer
@@ -67,6 +68,15 @@ REMOVALS = [
     ("_create_device_dataset", lambda mp: mp.delattr(multi_device_iterator_ops, "_create_device_dataset")),
     ("_maybe_symbolic_build", lambda mp: mp.delattr(TensorFlowTrainer, "_maybe_symbolic_build")),
     ("profiler.trace.enabled", lambda mp: mp.delattr(profiler_trace, "enabled")),
+    (
+        "loss scaling for distribution",
+        lambda mp: mp.delattr(keras_loss_module, "unscale_loss_for_distribution"),
+    ),
+    (
+        "loss scaling for distribution",
+        lambda mp: mp.setattr(keras_loss_module, "reduce_values", lambda values, *a, **k: values),
+    ),
+    ("tf.nn.compute_average_loss", lambda mp: mp.delattr(tf.nn, "compute_average_loss")),
     ("optimizer variables", lambda mp: mp.delattr(BaseOptimizer, "_get_variable_index")),
     ("optimizer variables", lambda mp: mp.setattr(BaseOptimizer, "build", lambda self, variables: None)),
     ("distributed dataset iterators", lambda mp: mp.delattr(input_lib.DistributedDataset, "__iter__")),

@@ -1,6 +1,6 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3.
 
-This is the public face, and the one place where importing tf_adasum changes Keras: the six
+This is the public face, and the one place where importing tf_adasum changes Keras: the
 install_* calls below (each hook is described in _compat.py). AdasumStrategy also turns tf.data
 autotuning off on per-device prefetch datasets when it is created (_compat.quiet_per_device_iterators).
 
@@ -28,7 +28,7 @@ if not _the_launcher_alone():
     if _quiet.wanted():
         _quiet.import_tensorflow_quietly()
 
-    from tf_adasum import _compat, callbacks, engine, errors, ops, strategy, sync
+    from tf_adasum import _compat, callbacks, engine, errors, loss_scaling, ops, strategy, sync
     from tf_adasum.allreduce_optimizer import AllreduceOptimizer
     from tf_adasum.callbacks import AdasumCallback
     from tf_adasum.distributed import (
@@ -96,8 +96,13 @@ if not _the_launcher_alone():
     # Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
     # compiled outside an AdasumStrategy's scope made an AdasumOptimizer, and XLA off where a step syncs.
     _compat.install_step_hooks(
-        functools.partial(errors.translate_errors, current_comm=engine.current), _before_train_function
+        functools.partial(errors.translate_errors, current_comm=engine.current),
+        _before_train_function,
+        strategy.losses_unscaled_for,
     )
+    # Keras's loss scaling by the number of replicas: off in a train step of a model that runs Adasum, so
+    # each replica's loss is its own however it is built; seen in custom loops (tf_adasum/loss_scaling.py).
+    _compat.install_loss_scaling(loss_scaling.unscaled, loss_scaling.note_scaled)
     # Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
     _compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
     # Under an AdasumStrategy a plain optimizer's step in a strategy.run loop runs as an AdasumOptimizer's,

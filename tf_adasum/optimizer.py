@@ -13,9 +13,8 @@ This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figur
    replica then holds `w_anchor + adasum(deltas)`, bitwise identical. The anchors are the weights at the
    window's first step, or where anything but the optimizer wrote them since (sync.start_window).
 
-Under a strategy Keras scales each replica's loss by 1/N so that summed gradients average; the
-gradients are multiplied back by N, so each local step is exactly a single-worker step on that
-replica's batch.
+Each local step is exactly a single-worker step on that replica's batch, however the loss was built and
+scaled (tf_adasum/loss_scaling.py).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from tf_adasum import _compat, sync
+from tf_adasum import _compat, loss_scaling, sync
 from tf_adasum.compression import check_compression
 from tf_adasum.replica_state import ReplicaState
 from tf_adasum.shared_state import broadcast_variables
@@ -311,10 +310,11 @@ class AdasumOptimizer(WrappedOptimizer):
             self._build_at_the_first_step(
                 list(trainable_variables) if trainable_variables is not None else []
             )
-        replicas = context.num_replicas_in_sync
         grads = [None if g is None else dense(g) for g in grads]
-        if replicas > 1:  # undo Keras's 1/N loss scaling: each local step is a single-worker step
-            grads = [None if g is None else g * tf.cast(replicas, g.dtype) for g in grads]
+        # Each local step is a single-worker step on this replica's batch, however the loss was scaled.
+        factor = loss_scaling.gradient_factor(context.num_replicas_in_sync, self.name)
+        if factor != 1:
+            grads = [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
         variables = (
             list(trainable_variables)
             if trainable_variables is not None

@@ -23,12 +23,13 @@ MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks (keras-team/keras#2
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_adasum import _compat, agreement, distributed, sync
+from tf_adasum import _compat, agreement, distributed, loss_scaling, sync
 from tf_adasum.errors import HookError
 from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
@@ -118,6 +119,18 @@ def adopt_optimizer_compiled_outside(model: Any) -> None:
         model.optimizer = wrap_under_adasum_strategy(copy)
         if all(bool(v.value.is_initialized()) for v in model.trainable_variables):
             model.optimizer.build(model.trainable_variables)
+
+
+def losses_unscaled_for(model: Any) -> contextlib.AbstractContextManager[Any]:
+    """The context a Keras train function of `model` runs in (tf_adasum/__init__.py installs it): where
+    the model runs Adasum (under an AdasumStrategy, or with an AdasumOptimizer under any strategy),
+    Keras's loss scaling by the number of replicas is off, so each replica steps on its own loss
+    (tf_adasum/loss_scaling.py)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    stepping = _compat.loss_scale_inner(getattr(model, "optimizer", None))
+    if isinstance(strategy, AdasumStrategy) or isinstance(stepping, AdasumOptimizer):
+        return loss_scaling.keras_losses_unscaled(strategy)
+    return contextlib.nullcontext()
 
 
 def adasum_for(optimizer: Any, trainable_variables: Any) -> WrappedOptimizer | None:

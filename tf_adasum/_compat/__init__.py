@@ -22,6 +22,7 @@ The hooks, by module:
   `_create_device_dataset`;
 - tracking.py: `tracking` (tf.__internal__.tracking, for checkpoints of every replica's state);
 - layers.py: `BatchNormalization._moments` (and `_reduction_axes`);
+- losses.py: `loss scaling for distribution`, `tf.nn.compute_average_loss`;
 - profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records);
 - numpy_views.py: numpy views of eager tensors (checked on first use).
 
@@ -33,6 +34,7 @@ arguments to the install_* functions, which tf_adasum/__init__.py calls once: th
 
 from tf_adasum._compat.distribute import hold_iterators, install_batch_reduction, quiet_per_device_iterators
 from tf_adasum._compat.layers import BatchNormalizationMoments
+from tf_adasum._compat.losses import install_loss_scaling
 from tf_adasum._compat.numpy_views import numpy_views_share_memory, writable_view
 from tf_adasum._compat.optimizers import (
     disable_gradient_sum,
@@ -81,6 +83,7 @@ __all__ = [
     "install_batch_reduction",
     "install_global_loss_scale_finiteness",
     "install_gradient_sum_guard",
+    "install_loss_scaling",
     "install_optimizer_apply",
     "install_optimizer_get",
     "install_step_hooks",

@@ -89,7 +89,9 @@ def _running_keras_function(kind: str) -> Iterator[None]:
 
 
 def install_step_hooks(
-    translate_errors: Callable[[Any], Any], before_train_function: Callable[[Any], None]
+    translate_errors: Callable[[Any], Any],
+    before_train_function: Callable[[Any], None],
+    around_train_function: Callable[[Any], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
     """Wraps the functions Keras's make_train_function / make_test_function build, once per process.
 
@@ -99,6 +101,8 @@ def install_step_hooks(
             UnevenDataError, naming the rank (instead of tf.errors.UnknownError).
         before_train_function: called with the model before Keras makes its train function (tf_adasum
             turns XLA off there for a model whose optimizer syncs).
+        around_train_function: with the model, a context the train function runs (and is traced) in
+            (tf_adasum switches Keras's loss scaling off there for a model that runs Adasum).
 
     The wrapped function also marks the thread as running a Keras step, so that AdasumStrategy.run
     can tell an unrecognised step from a user's own function.
@@ -113,11 +117,10 @@ def install_step_hooks(
         before = getattr(trainer, maker)
         if replaced(before):
             continue
-        setattr(
-            trainer,
-            maker,
-            mark(_step_maker(before, attribute, kind, translate_errors, before_train_function), before),
+        made = _step_maker(
+            before, attribute, kind, translate_errors, before_train_function, around_train_function
         )
+        setattr(trainer, maker, mark(made, before))
 
 
 def _step_maker(
@@ -126,6 +129,7 @@ def _step_maker(
     kind: str,
     translate_errors: Callable[[Any], Any],
     before_train_function: Callable[[Any], None],
+    around_train_function: Callable[[Any], contextlib.AbstractContextManager[Any]] | None,
 ) -> Any:
     """make_train_function or make_test_function, wrapped: see install_step_hooks."""
 
@@ -138,9 +142,12 @@ def _step_maker(
         if function is not None and not replaced(function):
             translated = translate_errors(function)
 
+            model = self
+
             @functools.wraps(function)
             def run(*args: Any, **kwargs: Any) -> Any:
-                with _running_keras_function(kind):
+                around = around_train_function if kind == "train" and around_train_function else None
+                with _running_keras_function(kind), around(model) if around else contextlib.nullcontext():
                     return translated(*args, **kwargs)
 
             setattr(self, attribute, mark(run, function))
