@@ -12,17 +12,30 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle, processes
-from tests.mp_worker import PROCESS_WRITES, SHAPES, local_counts, rank_tensors, replica_tensors, saved
 from tests.processes import log_tail
+from tests.workers.data import (
+    DEVICE_CASES,
+    LOCAL,
+    PROCESS_WRITES,
+    REPLICA_COUNTS,
+    RESUMED,
+    SHAPES,
+    STEPS,
+    local_counts,
+    rank_tensors,
+    replica_tensors,
+    saved,
+)
 
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
 pytestmark = pytest.mark.multiprocess
 
-WORKER = str(Path(__file__).with_name("mp_worker.py"))
+WORKER = ["-m", "tests.workers.multiprocess"]
+DEVICES_WORKER = ["-m", "tests.workers.multiprocess_devices"]
 
 
-def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] | None = None) -> int:
-    return processes.launch(engine, p, out, [WORKER, str(out), mode], extra_env)
+def launch(engine: str, p: int, out: Path, modes: str, extra_env: dict[str, str] | None = None) -> int:
+    return processes.launch(engine, p, out, [*WORKER, str(out), modes], extra_env)
 
 
 # The default algorithm (vhdd.algorithm: VHDD under MPI; for data this small, one all-gather under
@@ -36,10 +49,12 @@ def launch(engine: str, p: int, out: Path, mode: str, extra_env: dict[str, str] 
     + [("mpi", 3, "gather"), ("tf", 3, "vhdd"), ("tf", 4, "vhdd")],
 )
 def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: Path) -> None:
-    code = launch(engine, p, tmp_path, "checks", {"TF_ADASUM_ALGORITHM": forced} if forced else None)
+    env = {"TF_ADASUM_ALGORITHM": forced} if forced else None
+    code = launch(engine, p, tmp_path, "collectives,refusals", env)
     assert code == 0, log_tail(tmp_path)
     results = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(p)]
-    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(p)]
+    collectives = [json.loads((tmp_path / f"collectives{r}.json").read_text()) for r in range(p)]
+    infos = [json.loads((tmp_path / f"refusals{r}.json").read_text()) for r in range(p)]
 
     want = oracle.tree([rank_tensors(r) for r in range(p)])
     for i, w in enumerate(want):
@@ -88,10 +103,11 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
         np.testing.assert_allclose(results[r]["average"], [(p - 1) / 2])
         assert results[r]["scalar_sum"].shape == () and results[r]["scalar_sum"] == 2.5 * p
         np.testing.assert_array_equal(results[r]["broadcast"], [10.0 * (p - 1), 1.0])
-        assert infos[r]["engine"] == engine and infos[r]["size"] == p
-        # Eager Adasum under the TF engine: one compiled function per signature, reused (the tensors,
-        # the mismatched pair, the mismatched big one, the NaN pair); MPI runs it on the host.
-        assert infos[r]["compiled_syncs"] == (4 if engine == "tf" else 0), infos[r]
+        assert collectives[r]["engine"] == engine and collectives[r]["size"] == p
+        # Eager Adasum under the TF engine: one compiled function per signature, reused (the tensors;
+        # then the mismatched pair, the mismatched big one, the NaN pair); MPI runs it on the host.
+        assert collectives[r]["compiled_syncs"] == (1 if engine == "tf" else 0), collectives[r]
+        assert infos[r]["compiled_syncs"] == (3 if engine == "tf" else 0), infos[r]
         assert infos[r]["drift"].startswith(
             "allreduce(op=Adasum): tensor 0 of 1 has shape [1048592] and dtype float32 on rank 1 but "
             "shape [16]"
@@ -106,7 +122,7 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
             "allreduce(op=Adasum): tensor 0 of 2 has shape [4, 6] and dtype float32 on rank 1 "
             "but shape [4, 5] and dtype float32 on rank 0"
         )
-    assert sorted(info["local_rank"] for info in infos) == list(range(p))
+    assert sorted(info["local_rank"] for info in collectives) == list(range(p))
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])
@@ -129,10 +145,10 @@ def test_an_mpi_rank_that_exits_ends_the_job_naming_it(tmp_path: Path) -> None:
 @pytest.fixture(scope="module", params=["mpi", "tf"])
 def fit_and_strategy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One launch per engine for the three tests below: fit with AdasumOptimizer, AdasumStrategy's
-    checks, then resuming from checkpoints, in the same two processes (a launch's start-up is most of
+    modes, then resuming from checkpoints, in the same two processes (a launch's start-up is most of
     its time here)."""
     out = tmp_path_factory.mktemp(f"fit_and_strategy_{request.param}")
-    code = launch(request.param, 2, out, "fit,strategy,resume")
+    code = launch(request.param, 2, out, "fit,strategy,batchnorm,from_function,mixed_precision,resume")
     assert code == 0, log_tail(out)
     return out
 
@@ -265,13 +281,14 @@ LAYOUTS += [(e, c) for c in ("1,3", "3,1", "1,1,2") for e in ("mpi", "tf")] + [(
 def test_adasum_strategy_with_several_devices_in_each_process(
     engine: str, counts: str, tmp_path: Path
 ) -> None:
-    from tests.devices_worker import CASES, LOCAL, RESUMED, STEPS
     from tests.test_training import problem, simulate
 
     per_rank = [int(c) for c in counts.split(",")]
     p, total = len(per_rank), sum(per_rank)
-    worker = str(Path(__file__).with_name("devices_worker.py"))
-    code = processes.launch(engine, p, tmp_path, [worker, str(tmp_path), counts])
+    modes = "refused,fit,resume,batchnorm,synced_batchnorm,reductions"
+    code = processes.launch(
+        engine, p, tmp_path, [*DEVICES_WORKER, str(tmp_path), modes], {REPLICA_COUNTS: counts}
+    )
     assert code == 0, log_tail(tmp_path)
     x, y, _, _ = problem()
     rows = LOCAL * total * STEPS
@@ -281,7 +298,7 @@ def test_adasum_strategy_with_several_devices_in_each_process(
         if engine == "tf":
             message = refused.read_text()
             assert f"on rank {r} got other processes' devices ['/job:worker/replica:0/task:" in message
-    for kind, sync_every, local_reduction in CASES:
+    for kind, sync_every, local_reduction in DEVICE_CASES:
         name = f"devices_{kind}_{local_reduction}"
         infos = [json.loads((tmp_path / f"{name}{r}.json").read_text()) for r in range(p)]
         weights = [list(np.load(tmp_path / f"{name}{r}.npz").values()) for r in range(p)]
@@ -303,8 +320,11 @@ def test_adasum_strategy_with_several_devices_in_each_process(
         assert infos[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
         if (kind, sync_every, local_reduction) in RESUMED:  # every weight and optimizer variable
             for r in range(p):
-                resumed = json.loads((tmp_path / f"resumed_{kind}_{local_reduction}{r}.json").read_text())
-                assert len(resumed) > len(weights[r]) and all(resumed), (r, resumed)
+                resumed = list(np.load(tmp_path / f"resumed_{kind}_{local_reduction}{r}.npz").values())
+                went_on = list(np.load(tmp_path / f"{name}_state{r}.npz").values())
+                assert len(resumed) > len(weights[r]), (r, len(resumed))
+                for mine, theirs in zip(resumed, went_on, strict=True):  # every replica's, bitwise
+                    np.testing.assert_array_equal(mine, theirs)
         squared = (x[:rows].astype(np.float64) @ want[0] + want[1] - y[:rows]) ** 2
         assert infos[0]["evaluate"] == pytest.approx(float(np.mean(squared)), rel=1e-5)
 

@@ -1,15 +1,27 @@
-"""One process of a multi-process test, under `mpirun` or `python -m tf_adasum.run`.
+"""The worker of tests/test_multiprocess.py, under `mpirun` or `python -m tf_adasum.run`:
+`python -m tests.workers.multiprocess OUT MODE[,MODE...]` (tests/workers/dispatch.py).
 
-Usage:
-    worker.py OUT_DIR checks    # allreduce / broadcast results, then a shape mismatch, into OUT_DIR
-    worker.py OUT_DIR dead      # rank 1 exits after init; the others try an allreduce
-    worker.py OUT_DIR absent    # rank 1 stays alive but never calls allreduce
-    worker.py OUT_DIR fit       # model.fit with AdasumOptimizer, no strategy, one replica per process
-    worker.py OUT_DIR replicas  # model.fit, MirroredStrategy on 3 logical CPUs per process, AdasumOptimizer
-    worker.py OUT_DIR strategy  # model.fit under AdasumStrategy, every process given the same data
-    worker.py OUT_DIR resume    # AdasumStrategy: k steps, save, restore, k more, against 2k at once
+Modes:
+    collectives      eager and compiled Adasum all-reduces of rank_tensors (every dtype), again eagerly,
+                     nothing at all, Sum / Average / a scalar, a broadcast, and allreduce_replicas with
+                     two, three and uneven replicas per process: OUT/rank{r}.npz and collectives{r}.json
+    refusals         what every rank must raise together: a shape mismatch, a mismatch that has the
+                     ranks trace different algorithms, NaN on one rank, replicas that disagree, fp16
+                     compression overflowing, NaN in one replica, one rank at its epoch end and one at a
+                     mixed-precision check while the others sync: OUT/refusals{r}.json
+    dead             rank 1 exits after init; the others try an all-reduce: OUT/rank{r}.json
+    absent           rank 1 stays alive but never calls the all-reduce: OUT/rank{r}.json
+    fit              model.fit with AdasumOptimizer, no strategy, one replica per process
+    replicas         model.fit under MirroredStrategy on 3 logical CPUs per process, AdasumOptimizer
+                     across processes (mpirun only: the TF engine fixes the devices at its start)
+    strategy         model.fit and evaluate under AdasumStrategy, every process given the same data
+    batchnorm        BatchNormalization's moving statistics under AdasumStrategy
+    from_function    AdasumStrategy.distribute_datasets_from_function: each process one input pipeline
+    mixed_precision  mixed_float16 under AdasumStrategy, rank 1's share of the first batch overflowing
+    resume           AdasumStrategy: k steps, save, restore, k more, against 2k at once
+    writes           weights written between two fits (set_weights, EarlyStopping's restore)
 
-Each rank's data comes from rank_tensors(rank), which the test also uses to build the oracle.
+Each rank's data comes from tests/workers/data.py, which the test also uses to build the oracle.
 """
 
 from __future__ import annotations
@@ -27,50 +39,16 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
+from tests.workers.data import PROCESS_WRITES, rank_tensors, replica_tensors, saved
+from tests.workers.dispatch import main
 from tf_adasum import agreement
 
 # A rank that dies of a signal (a SIGSEGV seen in about 1 of 30 runs of the weight-write checks) prints
 # every thread's Python stack into the launch's log.
 faulthandler.enable()
 
-# Every dtype, and tensors that the halving points cut (1031 float64, 33x7 float16, 320 bfloat16).
-SHAPES = [
-    ((3, 5), "float32"),
-    ((0,), "float32"),
-    ((1031,), "float64"),
-    ((33, 7), "float16"),
-    ((7,), "float32"),
-    ((320,), "bfloat16"),  # one tensor of its dtype, no pad: read where it is (fusion.fill_or_read_host)
-    ((2, 2), "float64"),
-]
 
-
-def rank_tensors(rank: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(100 + rank)
-    return [
-        (rng.standard_normal(shape) * (rank + 1)).astype(tf.as_dtype(dtype).as_numpy_dtype)
-        for shape, dtype in SHAPES
-    ]
-
-
-def local_counts(case: str, size: int) -> list[int]:
-    """How many replicas each process holds in the allreduce_replicas checks."""
-    return {"two": [2] * size, "three": [3] * size, "uneven": [1 + q % 3 for q in range(size)]}[case]
-
-
-def replica_tensors(case: str, size: int, rank: int) -> list[list[np.ndarray]]:
-    """This process's replicas: leaf j of the tree over all of them holds rank_tensors(j)."""
-    counts = local_counts(case, size)
-    first = sum(counts[:rank])
-    return [rank_tensors(first + j) for j in range(counts[rank])]
-
-
-def saved(t: tf.Tensor) -> np.ndarray:
-    """A result as npz can hold it: 16-bit floats widened to float32 (exactly)."""
-    return t.numpy().astype(np.float32) if t.dtype.size == 2 else t.numpy()
-
-
-def checks(out: Path) -> None:
+def collectives(out: Path) -> None:
     comm = tf_adasum.init()
     rank = comm.rank
     tensors = [tf.constant(x) for x in rank_tensors(rank)]
@@ -99,7 +77,20 @@ def checks(out: Path) -> None:
         for i, t in enumerate(compiled(local)):
             results[f"{case}_function_{i}"] = saved(t)
     np.savez(out / f"rank{rank}.npz", **results)
+    info = {
+        "engine": comm.engine,
+        # The eager Adasum calls' compiled functions (TF engine): one per signature, none under MPI.
+        "compiled_syncs": len(tf_adasum.distributed._compiled_syncs),
+        "size": comm.size,
+        "local_rank": comm.local_rank,
+    }
+    (out / f"collectives{rank}.json").write_text(json.dumps(info))
 
+
+def refusals(out: Path) -> None:
+    comm = tf_adasum.init()
+    rank = comm.rank
+    compiled_before = len(tf_adasum.distributed._compiled_syncs)
     # A rank whose tensor differs: every rank must raise, before any data moves.
     mismatched = [tf.ones([4, 6] if rank == 1 else [4, 5]), tf.ones([2])]
     try:
@@ -148,7 +139,7 @@ def checks(out: Path) -> None:
         replica_nonfinite = "no error"
     except tf_adasum.NonFiniteUpdateError as error:
         replica_nonfinite = str(error)
-    compiled_syncs = len(tf_adasum.distributed._compiled_syncs)
+    compiled_syncs = len(tf_adasum.distributed._compiled_syncs) - compiled_before
     # Rank 0 at its epoch end while the others call eager Adasum: every rank raises UnevenDataError.
     try:
         if rank == 0:
@@ -175,15 +166,12 @@ def checks(out: Path) -> None:
         "replica_nonfinite": replica_nonfinite,
         "replica_mismatch": replica_mismatch,
         "narrowed": narrowed,
-        "engine": comm.engine,
-        # The eager Adasum calls' compiled functions (TF engine): one per signature, none under MPI.
+        # The compiled functions these eager Adasum calls added (TF engine): one per new signature.
         "compiled_syncs": compiled_syncs,
-        "size": comm.size,
-        "local_rank": comm.local_rank,
         "mismatch": message,
         "nonfinite": nonfinite,
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(info))
+    (out / f"refusals{rank}.json").write_text(json.dumps(info))
 
 
 def missing_peer(out: Path, exits: bool) -> None:
@@ -214,6 +202,14 @@ def missing_peer(out: Path, exits: bool) -> None:
     os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that left
 
 
+def dead(out: Path) -> None:
+    missing_peer(out, exits=True)
+
+
+def absent(out: Path) -> None:
+    missing_peer(out, exits=False)
+
+
 def fit(out: Path) -> None:
     import keras
 
@@ -238,7 +234,7 @@ def fit(out: Path) -> None:
     np.savez(out / f"fit{comm.rank}.npz", *model.get_weights())
 
 
-def replicas_fit(out: Path) -> None:
+def replicas(out: Path) -> None:
     """MirroredStrategy over three logical CPUs in each process, AdasumOptimizer across processes."""
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 3
@@ -251,10 +247,10 @@ def replicas_fit(out: Path) -> None:
         [d.name for d in tf.config.list_logical_devices("CPU")],
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
     )
-    local, steps, replicas = 2, 4, 3 * comm.size
+    local, steps, total = 2, 4, 3 * comm.size
     # Global replica 3q + j takes rows [2 * (3q + j), ...) of each global batch, as simulate() cuts it.
     batch = 3 * local
-    mine = np.concatenate([s * local * replicas + comm.rank * batch + np.arange(batch) for s in range(steps)])
+    mine = np.concatenate([s * local * total + comm.rank * batch + np.arange(batch) for s in range(steps)])
     for kind, sync_every in (("sgd_momentum", 1), ("adam", 2)):
         model = build_linear(
             strategy,
@@ -268,13 +264,13 @@ def replicas_fit(out: Path) -> None:
         np.savez(out / f"replicas_{kind}{comm.rank}.npz", *[np.stack(c) for c in components])
 
 
-def strategy_fit(out: Path) -> None:
+def strategy(out: Path) -> None:
     from tests.test_training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
-    strategy = tf_adasum.AdasumStrategy(sync_every=2)
-    model = build_linear(strategy, lambda: make_inner("adam"))
+    adasum = tf_adasum.AdasumStrategy(sync_every=2)
+    model = build_linear(adasum, lambda: make_inner("adam"))
     # Every rank starts elsewhere: the strategy must start all from rank 0's weights.
     model.set_weights([w + comm.rank for w in model.get_weights()])
     # The same global batches everywhere: the strategy hands each process its share.
@@ -284,16 +280,30 @@ def strategy_fit(out: Path) -> None:
     info = {"loss": float(history.history["loss"][-1]), "evaluate": float(evaluated)}
     (out / f"strategy{comm.rank}.json").write_text(json.dumps(info))
 
-    # BatchNorm: its moving statistics are averaged over processes, so every weight agrees.
+
+def batchnorm(out: Path) -> None:
+    """BatchNorm: its moving statistics are averaged over processes, so every weight agrees."""
     import keras
 
-    with strategy.scope():
+    from tests.test_training import problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    adasum = tf_adasum.AdasumStrategy(sync_every=2)
+    with adasum.scope():
         bn = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
         bn.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     bn.fit(x[:32] * (1 + comm.rank), y[:32], batch_size=8, shuffle=False, verbose=0)
     np.savez(out / f"batchnorm{comm.rank}.npz", *bn.get_weights())
 
-    # distribute_datasets_from_function: each process is one input pipeline, and shards by it.
+
+def from_function(out: Path) -> None:
+    """distribute_datasets_from_function: each process is one input pipeline, and shards by it."""
+    from tests.test_training import build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    adasum = tf_adasum.AdasumStrategy(sync_every=2)
     contexts = []
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -305,22 +315,17 @@ def strategy_fit(out: Path) -> None:
             context.get_per_replica_batch_size(8)
         )
 
-    sharded = build_linear(strategy, lambda: make_inner("adam"))
-    sharded.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1, verbose=0)
+    sharded = build_linear(adasum, lambda: make_inner("adam"))
+    sharded.fit(adasum.distribute_datasets_from_function(dataset_fn), epochs=1, verbose=0)
     np.savez(out / f"from_function{comm.rank}.npz", *sharded.get_weights())
     (out / f"contexts{comm.rank}.json").write_text(json.dumps(contexts))
 
-    mixed_precision(out, comm.rank)
 
-
-# Across processes: (how, optimizer, sync_every) for test_training.fit_write_fit on one replica each.
-PROCESS_WRITES = (("set_weights", "adam", 2), ("early_stopping", "sgd_momentum", 1))
-
-
-def writes(out: Path, rank: int) -> None:
+def writes(out: Path) -> None:
     """Weights written between two fits, on two processes: the new weights, then Adasum of what follows."""
     from tests.test_training import fit_write_fit
 
+    rank = tf_adasum.init().rank
     for how, kind, sync_every in PROCESS_WRITES:
         model, start, written, steps, at = fit_write_fit(
             tf_adasum.AdasumStrategy(sync_every=sync_every), how, kind, 2
@@ -330,19 +335,20 @@ def writes(out: Path, rank: int) -> None:
         (out / f"writes_{how}_run{rank}.json").write_text(json.dumps({"steps": steps, "at": at}))
 
 
-def mixed_precision(out: Path, rank: int) -> None:
+def mixed_precision(out: Path) -> None:
     """mixed_float16 with rank 1's share of the first batch overflowing: skipped on both processes."""
     import keras
 
     from tests.test_training import build_linear, make_inner, problem
 
+    rank = tf_adasum.init().rank
     x, y, _, _ = problem()
     results = {}
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         for sync_every in (1, 2):
-            strategy = tf_adasum.AdasumStrategy(sync_every=sync_every)
-            model = build_linear(strategy, lambda: make_inner("sgd_momentum"))
+            adasum = tf_adasum.AdasumStrategy(sync_every=sync_every)
+            model = build_linear(adasum, lambda: make_inner("sgd_momentum"))
             start = model.get_weights()
             xs, ys = x[: 8 * (1 + sync_every)].copy(), y[: 8 * (1 + sync_every)].copy()
             xs[4:8] *= 3e3  # rank 1's half of the first global batch overflows float16
@@ -411,20 +417,20 @@ def resume(out: Path) -> None:
     (out / f"resume{comm.rank}.json").write_text(json.dumps(results))
 
 
+MODES = {
+    "collectives": collectives,
+    "refusals": refusals,
+    "dead": dead,
+    "absent": absent,
+    "fit": fit,
+    "replicas": replicas,
+    "strategy": strategy,
+    "batchnorm": batchnorm,
+    "from_function": from_function,
+    "mixed_precision": mixed_precision,
+    "resume": resume,
+    "writes": writes,
+}
+
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    for mode in sys.argv[2].split(","):  # several modes: one after another, in one launch
-        if mode == "checks":
-            checks(out_dir)
-        elif mode == "fit":
-            fit(out_dir)
-        elif mode == "replicas":
-            replicas_fit(out_dir)
-        elif mode == "strategy":
-            strategy_fit(out_dir)
-        elif mode == "resume":
-            resume(out_dir)
-        elif mode == "writes":
-            writes(out_dir, tf_adasum.init().rank)
-        else:
-            missing_peer(out_dir, exits=mode == "dead")
+    main(MODES)
