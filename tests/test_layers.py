@@ -33,7 +33,7 @@ FLOORS: list[list[str]] = [
     # the numpy views the MPI engine receives into
     ["errors", "elastic_policy", "_compat.numpy_views"],
     # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher
-    ["_compat.registry", "tensor_lists", "elastic_launcher"],
+    ["_compat.registry", "tensor_lists", "elastic_pool"],
     # each hook, by subject; the communicator interface; the contract tree; the launcher
     [
         "_compat.optimizers",
@@ -45,7 +45,7 @@ FLOORS: list[list[str]] = [
         "_compat.losses",
         "comm.base",
         "tree",
-        "run",
+        "elastic_launcher",
     ],
     # the fence's face: every private name tf_adasum touches
     ["_compat"],
@@ -100,7 +100,7 @@ FLOORS: list[list[str]] = [
     ["keras"],
     # the public face, the one place that patches Keras
     ["__init__"],
-    ["demo"],
+    ["demo", "elastic_standby", "run"],
 ]
 
 

@@ -112,15 +112,20 @@ if not _the_launcher_alone():
     # Keras's build on one batch reduces it for its shapes only: AdasumStrategy keeps that in the process.
     _compat.install_symbolic_build_mark()
 
-    # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a script
-    # imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
-    # `python -m tf_adasum.run` started for the TF engine starts it here.
-    if launched_for_the_tf_engine():
-        init()
+    def _start_as_launched() -> None:
+        """What the process's launcher asks of tf_adasum before the script runs, from the environment:
+        at import, and in a warm process of the elastic launcher's pool once it has its place
+        (tf_adasum/elastic_standby.py)."""
+        # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a
+        # script imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
+        # `python -m tf_adasum.run` started for the TF engine starts it here.
+        if launched_for_the_tf_engine():
+            init()
+        # Under `tf_adasum.run --elastic`, a peer lost before the training function (a collective in the
+        # script's own start) still passes this process's commits on to the next group.
+        from tf_adasum import elastic
 
-    # Under `tf_adasum.run --elastic`, a peer lost before the training function (a collective in the
-    # script's own start) still passes this process's commits on to the next group.
-    from tf_adasum import elastic
+        if elastic.launched():
+            elastic.install_excepthook()
 
-    if elastic.launched():
-        elastic.install_excepthook()
+    _start_as_launched()

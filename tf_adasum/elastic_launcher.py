@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,11 +38,17 @@ from typing import Any
 
 from tf_adasum import elastic_policy as policy
 from tf_adasum.elastic_policy import parse_slots
-from tf_adasum.elastic_protocol import NoticeBoard, peer_timeout_seconds, process_environment
-from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, remote_command
+from tf_adasum.elastic_pool import Pool, Standby
+from tf_adasum.elastic_protocol import NoticeBoard, new_secret, peer_timeout_seconds, process_environment
+from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, start
 from tf_adasum.launch_output import Output
 
 DISCOVERY_SECONDS = 1.0
+# A new group waits this long for a warm process that is still importing before starting one cold.
+WARM_WAIT_SECONDS = 120.0
+# The pool is refilled this long after a group starts, so that the imports of the new warm processes do
+# not slow the group's own start on the same cores.
+REFILL_DELAY_SECONDS = 10.0
 
 
 class ElasticError(RuntimeError):
@@ -78,7 +85,8 @@ class Discovery:
 class Worker:
     id: str
     host: str
-    resume_file: str = ""
+    resume_file: str = ""  # its commits from the last group, on its own host
+    resume_copy: str = ""  # the launcher's copy of them, on the launcher's host
     state_file: str = ""
     rank: int = -1
     proc: Any = None
@@ -106,6 +114,7 @@ def elastic_launch(
     state_dir: str | None = None,
     resume_from: str | None = None,
     output_filename: str | None = None,
+    standbys: int | None = None,
 ) -> int:
     """Runs `command` elastically; returns 0 when a group finishes, else the failure's exit code.
 
@@ -120,149 +129,343 @@ def elastic_launch(
         elastic_timeout: how long to wait for min_np slots before giving up.
         timeout: seconds after which everything is killed (exit code 124).
         agent: how a process starts on another host.
-        state_dir: where processes write their commits when they leave a group (on their own host).
-        resume_from: a group directory of an earlier job's state_dir: the first group resumes from its
-            commits (rank i from the i-th file by old rank), as if it were the next group.
+        state_dir: where processes write their commits when they leave a group (on their own host); the
+            launcher keeps a copy of every commit in STATE_DIR/job/group<g> (on its own host).
+        resume_from: a group directory of an earlier job (STATE_DIR/job/group<g>): the first group resumes
+            from its commits (rank i from the i-th file by old rank), as if it were the next group.
         output_filename: a folder for each process's stdout and stderr, per group:
             DIR/group<g>/rank.<r>/stdout and stderr.
+        standbys: warm processes kept waiting on each host (tf_adasum/elastic_pool.py); None: as many as
+            the host has slots; 0: every process starts cold.
     """
     min_np = np if min_np is None else min_np
     max_np = np if max_np is None else max_np
     if not 1 <= min_np <= np <= max_np:
         raise ValueError(f"expected 1 <= --min-np <= -np <= --max-np, got {min_np}, {np}, {max_np}")
-    state_dir = state_dir or os.path.join("/tmp", "tf_adasum_elastic", f"{os.getpid()}-{int(time.time())}")
-    os.makedirs(state_dir, exist_ok=True)
     discovery = Discovery(discovery_script, hosts, np)
     if not discovery_script and sum(discovery.static.values()) < np:
         raise ValueError(f"-H {hosts!r} has {sum(discovery.static.values())} slots for -np {np}")
-    all_local = not discovery_script and all(h in LOCAL_HOSTS for h in discovery.static)
-    notices = NoticeBoard()
-    threading.Thread(target=notices.serve_forever, daemon=True).start()
-    advertised = "127.0.0.1" if all_local else _own_address()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    job = ElasticJob(
+        command,
+        discovery,
+        np,
+        min_np,
+        max_np,
+        state_dir or os.path.join("/tmp", "tf_adasum_elastic", f"{os.getpid()}-{int(time.time())}"),
+        agent,
+        output_filename,
+        max_np if standbys is None else standbys,
+    )
+    try:
+        return job.run(reset_limit, elastic_timeout, timeout, resume_from)
+    finally:
+        job.close()
 
-    survivors: list[Worker] = []
-    if resume_from:
-        files = sorted(
-            (f for f in os.listdir(resume_from) if f.endswith(".pkl")), key=lambda f: int(f.split("-")[0][4:])
-        )
-        survivors = [
-            Worker(id=f.split("-", 1)[1][:-4], host="127.0.0.1", resume_file=os.path.join(resume_from, f))
-            for f in files
-        ]
-    lost: list[Worker] = []
-    blocked: collections.Counter[str] = collections.Counter()
-    last_answer: dict[str, int] | None = None
-    next_id = 0
-    group = 0
-    resets = 0
 
-    def fresh_answer() -> dict[str, int]:
+class ElasticJob:
+    """One elastic job: its groups, one after another, the launcher's services, and its pool."""
+
+    def __init__(
+        self,
+        command: list[str],
+        discovery: Discovery,
+        np: int,
+        min_np: int,
+        max_np: int,
+        state_dir: str,
+        agent: str,
+        output_filename: str | None,
+        standbys: int,
+    ) -> None:
+        self.command, self.discovery, self.agent = command, discovery, agent
+        self.np, self.min_np, self.max_np = np, min_np, max_np
+        self.state_dir, self.output_filename = state_dir, output_filename
+        os.makedirs(state_dir, exist_ok=True)
+        all_local = not discovery.script and all(h in LOCAL_HOSTS for h in discovery.static)
+        # The launcher's services listen where the processes reach it, no wider, and ask for the secret.
+        self.address = "127.0.0.1" if all_local else _own_address()
+        self.secret = new_secret()
+        self.notices = NoticeBoard(self.address, self.secret, os.path.join(state_dir, "job"))
+        threading.Thread(target=self.notices.serve_forever, daemon=True).start()
+        self.driver = f"{self.address}:{self.notices.server_address[1]}"
+        self.env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
+        self.pool = Pool(self.address, self.secret, standbys, agent, self.env, _say) if standbys > 0 else None
+        self.blocked: collections.Counter[str] = collections.Counter()
+        self.last_answer: dict[str, int] | None = None
+        self.deadline: float | None = None
+
+    def close(self) -> None:
+        self.notices.shutdown()
+        if self.pool is not None:
+            self.pool.close()
+
+    def answer(self) -> dict[str, int]:
         """The discovery's answer; a changed answer frees the slots of lost workers."""
-        nonlocal last_answer
-        answer = discovery.slots()
-        if discovery_script and last_answer is not None and answer != last_answer:
-            blocked.clear()
-        last_answer = answer
+        answer = self.discovery.slots()
+        if self.discovery.script and self.last_answer is not None and answer != self.last_answer:
+            self.blocked.clear()
+        self.last_answer = answer
         return answer
 
-    def more_slots(in_use: int) -> bool:
-        return bool(discovery_script) and policy.has_more_slots(fresh_answer(), blocked, in_use, max_np)
+    def more_slots(self, in_use: int) -> bool:
+        # At max_np nothing is asked: the answer then stays the one the group formed with, and a change
+        # seen once the group ends (a lost worker's host leaving the list) frees the lost slots.
+        if not self.discovery.script or in_use >= self.max_np:
+            return False
+        return policy.has_more_slots(self.answer(), self.blocked, in_use, self.max_np)
 
-    try:
-        while True:
-            # The group's members: the survivors that still have a slot, then new processes.
-            wait_until = time.monotonic() + elastic_timeout
+    def run(
+        self, reset_limit: int | None, elastic_timeout: float, timeout: float | None, resume_from: str | None
+    ) -> int:
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        survivors: list[Worker] = []
+        if resume_from:
+            files = sorted(
+                (f for f in os.listdir(resume_from) if f.endswith(".pkl")),
+                key=lambda f: int(f.split("-")[0][4:]),
+            )
+            survivors = [
+                Worker(
+                    id=f.split("-", 1)[1][:-4],
+                    host="127.0.0.1",
+                    resume_file=os.path.join(resume_from, f),
+                    resume_copy=os.path.join(resume_from, f),
+                )
+                for f in files
+            ]
+        lost: list[Worker] = []
+        next_id, group, resets = 0, 0, 0
+        if self.pool is not None:
+            # The first group's processes and, besides, a full pool for the first change.
+            answer = self.answer()
+            first = policy.choose_members(answer, self.blocked, [w.host for w in survivors], self.np)
+            self.pool.fill(
+                answer, collections.Counter([survivors[i].host for i in first.kept] + first.new_hosts)
+            )
+        try:
             while True:
-                chosen = policy.choose_members(
-                    fresh_answer(), blocked, [w.host for w in survivors], np if group == 0 else max_np
+                members = self.form_group(group, survivors, next_id, lost, elastic_timeout)
+                if isinstance(members, int):
+                    return members
+                next_id += sum(1 for w in members if not w.resume_file)
+                code = self.run_group(group, members)
+                if code is not None:
+                    return code
+                ended = [w for w in members if w.outcome not in (policy.RESTART, policy.DONE)]
+                for w in ended:
+                    self.blocked[w.host] += 1
+                    lost.append(w)
+                survivors = [w for w in members if w.outcome == policy.RESTART]
+                end = policy.group_end([str(w.outcome) for w in members])
+                if end is policy.GroupEnd.DONE:
+                    return 0
+                if end is policy.GroupEnd.ALL_FAILED:
+                    # A bug in the script, a bad argument: no one is left to resume.
+                    first = ended[0]
+                    _say(
+                        f"every process of group {group} failed; rank {first.rank} ({first.id}@{first.host}) "
+                        f"{first.outcome}; its last output: {_last_error(first)}"
+                    )
+                    return first.code if first.code and first.code > 0 else 1
+                if end is policy.GroupEnd.FINISHED:
+                    finished = [w.rank for w in members if w.outcome == policy.DONE]
+                    _say(
+                        f"group {group}: rank(s) {finished} finished training while others left it; the job "
+                        "is done"
+                    )
+                    return 0
+                for w in survivors:  # each resumes from its own file; the launcher keeps a copy
+                    w.resume_file, w.resume_copy = w.state_file, self.keep_copy(group, w)
+                _say(
+                    f"group {group} ended: "
+                    + ", ".join(f"rank {w.rank} ({w.id}@{w.host}) {w.outcome}" for w in members)
                 )
-                if chosen.size >= min_np:
-                    members = [survivors[i] for i in chosen.kept]
-                    members += [Worker(id=f"w{next_id + i}", host=h) for i, h in enumerate(chosen.new_hosts)]
-                    next_id += len(chosen.new_hosts)
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    _say("the --timeout passed while waiting for slots")
+                resets += 1
+                if reset_limit is not None and resets > reset_limit:
+                    last = ended[-1] if ended else (lost[-1] if lost else None)
+                    why = (
+                        f"{last.id} on {last.host}: {last.outcome}; its last output: {_last_error(last)}"
+                        if last
+                        else ""
+                    )
+                    _say(f"more than --reset-limit {reset_limit} resets; the last lost worker was {why}")
+                    return last.code if last and last.code and last.code > 0 else 1
+                group += 1
+        except ElasticError as error:
+            _say(str(error))
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+    def form_group(
+        self, group: int, survivors: list[Worker], next_id: int, lost: list[Worker], elastic_timeout: float
+    ) -> list[Worker] | int:
+        """The next group's members: the survivors that still have a slot, then new processes; or the
+        exit code that ends the job (the timeout)."""
+        wait_until = time.monotonic() + elastic_timeout
+        while True:
+            chosen = policy.choose_members(
+                self.answer(),
+                self.blocked,
+                [w.host for w in survivors],
+                self.np if group == 0 else self.max_np,
+            )
+            if chosen.size >= self.min_np:
+                members = [survivors[i] for i in chosen.kept]
+                return members + [
+                    Worker(id=f"w{next_id + i}", host=h) for i, h in enumerate(chosen.new_hosts)
+                ]
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                _say("the --timeout passed while waiting for slots")
+                return 124
+            if time.monotonic() > wait_until:
+                gone = "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
+                raise ElasticError(
+                    f"{chosen.size} worker(s) available, fewer than --min-np {self.min_np}, "
+                    f"after waiting {elastic_timeout:.0f} s for slots. Lost workers: {gone}. "
+                    f"The last commits are in {self.job_dir(max(group - 1, 0))} "
+                    "(resume with --resume-from)"
+                )
+            time.sleep(DISCOVERY_SECONDS)
+
+    def job_dir(self, group: int) -> str:
+        """Where the launcher keeps a copy of group `group`'s commits, on its own host."""
+        return os.path.join(self.state_dir, "job", f"group{group}")
+
+    def keep_copy(self, group: int, worker: Worker) -> str:
+        """Copies a survivor's commits to the launcher's host, in the background (from another host
+        through the agent), so that losing its host loses none of them; returns the copy's path, which
+        the launcher serves to a process that lacks the file (elastic_protocol.fetch_state)."""
+        copy = os.path.join(self.job_dir(group), os.path.basename(worker.state_file))
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        self.notices.copying(copy)
+
+        def run() -> None:
+            try:
+                if worker.host in LOCAL_HOSTS:
+                    shutil.copyfile(worker.state_file, f"{copy}.partial")
+                else:
+                    read = start(worker.host, ["/bin/cat", worker.state_file], dict(self.env), self.agent)
+                    data, error = read.communicate(timeout=600)
+                    if read.returncode != 0:
+                        raise OSError(error.decode(errors="replace")[-300:])
+                    with open(f"{copy}.partial", "wb") as f:
+                        f.write(data)
+                os.replace(f"{copy}.partial", copy)
+            except (OSError, subprocess.SubprocessError) as error:
+                _say(f"could not keep a copy of {worker.state_file} from {worker.host}: {error}")
+            finally:
+                self.notices.copied(copy)
+
+        threading.Thread(target=run, daemon=True).start()
+        return copy
+
+    def start_member(self, worker: Worker, env: dict[str, str], warm_until: float) -> None:
+        """Starts a member's process: a warm one from the pool where the host has one (waiting, if need
+        be, for one still importing), else a cold one, said so."""
+        standby: Standby | None = None
+        if self.pool is not None:
+            standby = self.pool.take_when_ready(worker.host, warm_until)
+            if standby is None:
+                _say(f"no warm process on {worker.host} for {worker.id}: it starts cold")
+        if standby is not None:
+            worker.proc = self.pool.assign(standby, env, self.command)  # type: ignore[union-attr]
+        else:
+            worker.proc = start(worker.host, self.command, env, self.agent)
+
+    def run_group(self, group: int, members: list[Worker]) -> int | None:
+        """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
+        (the timeout, Ctrl-C), or None."""
+        ports = free_ports(len(members))
+        workers = [f"{w.host}:{port}" for w, port in zip(members, ports, strict=True)]
+        group_dir = os.path.join(self.state_dir, f"group{group}")
+        _say(
+            f"group {group}: {len(members)} process(es): "
+            + ", ".join(
+                f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}"
+                for r, w in enumerate(members)
+            )
+        )
+        output = Output(os.path.join(self.output_filename, f"group{group}") if self.output_filename else None)
+        warm_until = time.monotonic() + WARM_WAIT_SECONDS
+        for rank, w in enumerate(members):
+            w.rank, w.outcome, w.code, w.proc = rank, None, None, None
+            w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
+            env = dict(self.env)
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+            )
+            env.update(
+                process_environment(
+                    group, w.state_file, w.resume_file, w.resume_copy, self.driver, self.secret
+                )
+            )
+            self.start_member(w, env, warm_until)
+            output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
+        started = time.monotonic()
+        refilled = self.pool is None
+
+        def kill(w: Worker) -> None:
+            if w.proc.poll() is None:
+                try:
+                    os.killpg(w.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        first_exit: float | None = None
+        last_alone: float | None = None
+        next_discovery = time.monotonic() + DISCOVERY_SECONDS
+        try:
+            while True:
+                now = time.monotonic()
+                for w in members:
+                    if w.outcome is None and w.proc.poll() is not None:
+                        w.code = w.proc.returncode
+                        w.outcome = policy.process_outcome(w.code)
+                        if w.code != 0 and first_exit is None:
+                            first_exit = now
+                if all(w.outcome is not None for w in members):
+                    return None
+                running = [w for w in members if w.outcome is None]
+                if first_exit is not None and len(running) == 1 and last_alone is None:
+                    last_alone = now
+                if policy.hung(now, first_exit, last_alone, peer_timeout_seconds(), GRACE_SECONDS):
+                    for w in running:
+                        kill(w)
+                        w.proc.wait()
+                        w.code = w.proc.returncode
+                        w.outcome = "lost: hung (still running after the rest of its group had left; killed)"
+                    return None
+                if self.deadline is not None and now > self.deadline:
+                    for w in members:
+                        kill(w)
+                    _say("killed every process after the --timeout")
                     return 124
-                if time.monotonic() > wait_until:
-                    gone = (
-                        "; ".join(f"{w.id} on {w.host} (rank {w.rank}): {w.outcome}" for w in lost) or "none"
-                    )
-                    raise ElasticError(
-                        f"{chosen.size} worker(s) available, fewer than --min-np {min_np}, "
-                        f"after waiting {elastic_timeout:.0f} s for slots. Lost workers: {gone}. "
-                        f"The last commits are in {_last_group_dir(state_dir, group)} "
-                        "(resume with --resume-from)"
-                    )
-                time.sleep(DISCOVERY_SECONDS)
-            survivors = []
-            driver = f"{advertised}:{notices.server_address[1]}"
-            code = _run_group(
-                group,
-                members,
-                command,
-                notices,
-                driver,
-                more_slots,
-                state_dir,
-                agent,
-                output_filename,
-                deadline,
-            )
-            if code is not None:
-                return code
-            ended = [w for w in members if w.outcome not in (policy.RESTART, policy.DONE)]
-            for w in ended:
-                blocked[w.host] += 1
-                lost.append(w)
-            survivors = [w for w in members if w.outcome == policy.RESTART]
-            end = policy.group_end([str(w.outcome) for w in members])
-            if end is policy.GroupEnd.DONE:
-                return 0
-            if end is policy.GroupEnd.ALL_FAILED:
-                # A bug in the script, a bad argument: no one is left to resume.
-                first = ended[0]
-                _say(
-                    f"every process of group {group} failed; rank {first.rank} ({first.id}@{first.host}) "
-                    f"{first.outcome}; its last output: {_last_error(first)}"
-                )
-                return first.code if first.code and first.code > 0 else 1
-            if end is policy.GroupEnd.FINISHED:
-                finished = [w.rank for w in members if w.outcome == policy.DONE]
-                _say(
-                    f"group {group}: rank(s) {finished} finished training while others left it; the job is "
-                    "done"
-                )
-                return 0
-            for w in survivors:
-                w.resume_file = w.state_file
-            _say(
-                f"group {group} ended: "
-                + ", ".join(f"rank {w.rank} ({w.id}@{w.host}) {w.outcome}" for w in members)
-            )
-            resets += 1
-            if reset_limit is not None and resets > reset_limit:
-                last = ended[-1] if ended else (lost[-1] if lost else None)
-                why = (
-                    f"{last.id} on {last.host}: {last.outcome}; its last output: {_last_error(last)}"
-                    if last
-                    else ""
-                )
-                _say(f"more than --reset-limit {reset_limit} resets; the last lost worker was {why}")
-                return last.code if last and last.code and last.code > 0 else 1
-            group += 1
-    except ElasticError as error:
-        _say(str(error))
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        notices.shutdown()
-
-
-def _last_group_dir(state_dir: str, group: int) -> str:
-    return os.path.join(state_dir, f"group{max(group - 1, 0)}")
+                if now > next_discovery:
+                    next_discovery = now + DISCOVERY_SECONDS
+                    if (
+                        first_exit is None
+                        and not self.notices.posted(group)
+                        and self.more_slots(len(members))
+                    ):
+                        self.notices.post(group)
+                        _say(f"group {group}: more slots reported; the group grows at its next commit")
+                    if self.pool is not None:
+                        self.pool.reap()
+                        if not refilled and now > started + REFILL_DELAY_SECONDS:
+                            refilled = True
+                        if refilled and self.last_answer:
+                            self.pool.fill(self.last_answer)
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            for w in members:
+                kill(w)
+            return 130
+        finally:
+            for w in members:
+                if w.proc is not None:
+                    w.proc.wait()
+            output.wait()
 
 
 def _last_error(worker: Worker) -> str:
@@ -275,94 +478,3 @@ def _own_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _run_group(
-    group: int,
-    members: list[Worker],
-    command: list[str],
-    notices: NoticeBoard,
-    driver: str,
-    more_slots: Any,
-    state_dir: str,
-    agent: str,
-    output_filename: str | None,
-    deadline: float | None,
-) -> int | None:
-    """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
-    (the timeout, Ctrl-C), or None."""
-    ports = free_ports(len(members))
-    workers = [f"{w.host}:{port}" for w, port in zip(members, ports, strict=True)]
-    group_dir = os.path.join(state_dir, f"group{group}")
-    _say(
-        f"group {group}: {len(members)} process(es): "
-        + ", ".join(
-            f"rank {r} {w.id}@{w.host}{' (resumes)' if w.resume_file else ''}" for r, w in enumerate(members)
-        )
-    )
-    output = Output(os.path.join(output_filename, f"group{group}") if output_filename else None)
-    for rank, w in enumerate(members):
-        w.rank, w.outcome, w.code, w.proc = rank, None, None, None
-        w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
-        env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
-        )
-        env.update(process_environment(group, w.state_file, w.resume_file, driver))
-        line = command if w.host in LOCAL_HOSTS else remote_command(agent, w.host, command, env)
-        w.proc = subprocess.Popen(
-            line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-        )
-        output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
-
-    def kill(w: Worker) -> None:
-        if w.proc.poll() is None:
-            try:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    first_exit: float | None = None
-    last_alone: float | None = None
-    next_discovery = time.monotonic() + DISCOVERY_SECONDS
-    try:
-        while True:
-            now = time.monotonic()
-            for w in members:
-                if w.outcome is None and w.proc.poll() is not None:
-                    w.code = w.proc.returncode
-                    w.outcome = policy.process_outcome(w.code)
-                    if w.code != 0 and first_exit is None:
-                        first_exit = now
-            if all(w.outcome is not None for w in members):
-                return None
-            running = [w for w in members if w.outcome is None]
-            if first_exit is not None and len(running) == 1 and last_alone is None:
-                last_alone = now
-            if policy.hung(now, first_exit, last_alone, peer_timeout_seconds(), GRACE_SECONDS):
-                for w in running:
-                    kill(w)
-                    w.proc.wait()
-                    w.code = w.proc.returncode
-                    w.outcome = "lost: hung (still running after the rest of its group had left; killed)"
-                return None
-            if deadline is not None and now > deadline:
-                for w in members:
-                    kill(w)
-                _say("killed every process after the --timeout")
-                return 124
-            if now > next_discovery and first_exit is None and not notices.posted(group):
-                next_discovery = now + DISCOVERY_SECONDS
-                if more_slots(len(members)):
-                    notices.post(group)
-                    _say(f"group {group}: more slots reported; the group grows at its next commit")
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for w in members:
-            kill(w)
-        return 130
-    finally:
-        for w in members:
-            if w.proc is not None:
-                w.proc.wait()
-        output.wait()

@@ -1,6 +1,11 @@
 """The elastic launcher's protocol with its processes, in one TensorFlow-free place: what it tells them
 through the environment, the exit code of a process that leaves for the next group, the peer timeout,
-and the notices of added slots (the launcher's NoticeBoard, rank 0's SlotNotices).
+the notices of added slots (the launcher's NoticeBoard, rank 0's SlotNotices), and the messages of its
+pool of warm processes.
+
+The launcher's services answer only the job's processes: they listen on the address the processes reach
+the launcher at (127.0.0.1 when every process runs here), and answer only a request that carries the
+job's secret, a random token each process gets in its environment (ENV_SECRET), never on a command line.
 
 tf_adasum/elastic_launcher.py (no TensorFlow: it starts in a fraction of a second) and the processes'
 side, tf_adasum/elastic_state.py, both import it; so does tf_adasum/errors.py, for the peer timeout.
@@ -8,10 +13,16 @@ side, tf_adasum/elastic_state.py, both import it; so does tf_adasum/errors.py, f
 
 from __future__ import annotations
 
+import hmac
 import http.server
+import json
 import os
+import secrets
+import socket
+import struct
 import threading
 import time
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -21,6 +32,10 @@ ENV_GENERATION = "TF_ADASUM_ELASTIC_GENERATION"  # 0, 1, ...: the group's number
 ENV_STATE_FILE = "TF_ADASUM_ELASTIC_STATE_FILE"  # where this process writes its commits when it leaves
 ENV_RESUME_FILE = "TF_ADASUM_ELASTIC_RESUME_FILE"  # a survivor's commits from the last group ("" if none)
 ENV_DRIVER = "TF_ADASUM_ELASTIC_DRIVER"  # host:port of the launcher's slot notices
+ENV_RESUME_COPY = "TF_ADASUM_ELASTIC_RESUME_COPY"  # the launcher's copy of those commits, to fetch
+ENV_SECRET = "TF_ADASUM_ELASTIC_SECRET"  # the job's secret, which the launcher's services ask for
+ENV_POOL = "TF_ADASUM_ELASTIC_POOL"  # host:port where a warm process waits for its place in a group
+SECRET_HEADER = "X-TF-Adasum-Secret"
 
 # A survivor's exit: "start me again in the next group" (EX_TEMPFAIL).
 RESTART_EXIT_CODE = 75
@@ -47,26 +62,67 @@ def generation() -> int:
     return int(os.environ.get(ENV_GENERATION, "0"))
 
 
-def process_environment(group: int, state_file: str, resume_file: str, driver: str) -> dict[str, str]:
+def new_secret() -> str:
+    return secrets.token_hex(16)
+
+
+def is_secret(given: str | None, secret: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), secret.encode())
+
+
+def process_environment(
+    group: int, state_file: str, resume_file: str, resume_copy: str, driver: str, secret: str
+) -> dict[str, str]:
     """What the launcher puts in a process's environment for group `group`."""
     return {
         ENV_ELASTIC: "1",
         ENV_GENERATION: str(group),
         ENV_STATE_FILE: state_file,
         ENV_RESUME_FILE: resume_file,
+        ENV_RESUME_COPY: resume_copy,
         ENV_DRIVER: driver,
+        ENV_SECRET: secret,
     }
 
 
 class NoticeBoard(http.server.ThreadingHTTPServer):
-    """The launcher's side: answers rank 0's GET /updates?generation=G with the group's latest notice of
-    added slots (0: none). post(G) posts one."""
+    """The launcher's services, on `address` alone, to requests that carry the job's secret (in the
+    SECRET_HEADER header; any other request gets 403 and nothing):
+
+    - GET /updates?generation=G: the group's latest notice of added slots (0: none); post(G) posts one;
+    - GET /state?path=P: the launcher's copy of a process's commits, P under `root`, once copied
+      (copying(P) announces a copy, copied(P) ends it): how a process whose host lost its own file
+      resumes.
+    """
 
     daemon_threads = True
 
-    def __init__(self) -> None:
+    def __init__(self, address: str, secret: str, root: str) -> None:
         self.notice: dict[int, int] = {}
-        super().__init__(("0.0.0.0", 0), _NoticeHandler)
+        self.secret = secret
+        self.root = os.path.realpath(root)
+        self.copies: dict[str, threading.Event] = {}
+        super().__init__((address, 0), _NoticeHandler)
+
+    def copying(self, path: str) -> None:
+        self.copies[os.path.realpath(path)] = threading.Event()
+
+    def copied(self, path: str) -> None:
+        self.copies.setdefault(os.path.realpath(path), threading.Event()).set()
+
+    def state(self, path: str) -> bytes | None:
+        """The copy at `path` (under root), once its copy ended; None for anything else."""
+        real = os.path.realpath(path)
+        if not real.startswith(self.root + os.sep):
+            return None
+        pending = self.copies.get(real)
+        if pending is not None:
+            pending.wait(600)
+        try:
+            with open(real, "rb") as f:
+                return f.read()
+        except OSError:
+            return None
 
     def post(self, group: int) -> None:
         self.notice[group] = time.time_ns()
@@ -77,9 +133,23 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
 
 class _NoticeHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        group = self.path.rpartition("generation=")[2]
-        value = self.server.notice.get(int(group), 0) if group.isdigit() else 0  # type: ignore[attr-defined]
-        body = str(value).encode()
+        if not is_secret(self.headers.get(SECRET_HEADER), self.server.secret):  # type: ignore[attr-defined]
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        url = urllib.parse.urlparse(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        if url.path == "/state":
+            body = self.server.state(query.get("path", [""])[0])  # type: ignore[attr-defined]
+            if body is None:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+        else:
+            group = query.get("generation", [""])[0]
+            body = str(self.server.notice.get(int(group), 0) if group.isdigit() else 0).encode()  # type: ignore[attr-defined]
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -93,15 +163,17 @@ class SlotNotices:
     """Rank 0's side: a thread asks the launcher every POLL_SECONDS, so that a commit reads the latest
     answer without waiting on the network."""
 
-    def __init__(self, address: str, group: int) -> None:
+    def __init__(self, address: str, group: int, secret: str) -> None:
         self.latest = 0
-        self._url = f"http://{address}/updates?generation={group}"
+        self._request = urllib.request.Request(
+            f"http://{address}/updates?generation={group}", headers={SECRET_HEADER: secret}
+        )
         threading.Thread(target=self._poll, daemon=True, name="tf_adasum-elastic-notices").start()
 
     def _poll(self) -> None:
         while True:
             try:
-                with urllib.request.urlopen(self._url, timeout=5) as answer:
+                with urllib.request.urlopen(self._request, timeout=5) as answer:
                     self.latest = max(self.latest, int(answer.read().decode() or 0))
             except (OSError, ValueError):
                 pass  # the launcher is gone or busy: the next poll asks again
@@ -118,5 +190,48 @@ def latest_notice() -> int:
     if not address:
         return 0
     if _notices is None:
-        _notices = SlotNotices(address, generation())
+        _notices = SlotNotices(address, generation(), os.environ.get(ENV_SECRET, ""))
     return _notices.latest
+
+
+def fetch_state(path: str) -> bytes | None:
+    """The launcher's copy of commits at `path` (ENV_RESUME_COPY), from its services; None where there is
+    no launcher or no such copy."""
+    address = os.environ.get(ENV_DRIVER)
+    if not address or not path:
+        return None
+    request = urllib.request.Request(
+        f"http://{address}/state?{urllib.parse.urlencode({'path': path})}",
+        headers={SECRET_HEADER: os.environ.get(ENV_SECRET, "")},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return bytes(answer.read())
+    except OSError:
+        return None
+
+
+# The pool's messages: a 4-byte length, then that many bytes of JSON.
+def send_message(connection: socket.socket, message: dict[str, Any]) -> None:
+    data = json.dumps(message).encode()
+    connection.sendall(struct.pack("!I", len(data)) + data)
+
+
+def receive_message(connection: socket.socket) -> dict[str, Any] | None:
+    """The next message, or None when the other side closed the connection."""
+    header = _receive_exactly(connection, 4)
+    if header is None:
+        return None
+    data = _receive_exactly(connection, struct.unpack("!I", header)[0])
+    return None if data is None else dict(json.loads(data))
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = connection.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

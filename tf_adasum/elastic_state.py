@@ -17,9 +17,11 @@ import tensorflow as tf
 
 from tf_adasum import agreement, engine, errors
 from tf_adasum.elastic_protocol import (
+    ENV_RESUME_COPY,
     ENV_RESUME_FILE,
     ENV_STATE_FILE,
     RESTART_EXIT_CODE,
+    fetch_state,
     generation,
     latest_notice,
     launched,
@@ -215,14 +217,20 @@ def install_excepthook() -> None:
 
 
 def _load_resume_file() -> dict[int, Any] | None:
+    """This process's commits from the last group: its own file on this host, or, where this host has
+    none (a new host, a lost disk), the launcher's copy of it."""
     path = os.environ.get(ENV_RESUME_FILE)
     if not path:
         return None
-    if not os.path.exists(path):
-        sys.stderr.write(f"tf_adasum.elastic: no state file {path}: this process takes rank 0's state\n")
-        return None
-    with open(path, "rb") as f:
-        return pickle.load(f)
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    copy = fetch_state(os.environ.get(ENV_RESUME_COPY, "") or path)
+    if copy is not None:
+        sys.stderr.write(f"tf_adasum.elastic: no state file {path} here: resumed from the launcher's copy\n")
+        return pickle.loads(copy)
+    sys.stderr.write(f"tf_adasum.elastic: no state file {path}: this process takes rank 0's state\n")
+    return None
 
 
 class ObjectState(State):

@@ -3,9 +3,14 @@ a process on another host. Shared by `python -m tf_adasum.run` and its elastic m
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
 
 # How long the others may take to notice a failed process and end with their own error.
 GRACE_SECONDS = 10.0
@@ -43,14 +48,42 @@ def parse_hosts(hosts: str, np: int) -> list[str]:
     return placed[:np]
 
 
-def remote_command(agent: str, host: str, command: list[str], env: dict[str, str]) -> list[str]:
-    """`command` run on `host` through the agent, in this directory, with `env` (as ssh passes it: one
-    string for the remote shell)."""
-    forwarded = {
-        k: v
-        for k, v in env.items()
-        if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES) and "\n" not in v
-    }
-    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forwarded.items()))
-    line = f"cd {shlex.quote(os.getcwd())} && exec env {assignments} {shlex.join(command)}"
+# Run on the other host by the agent's shell: reads the process's environment as one JSON line from stdin
+# (never from the command line, which that host's process list shows to every user), then becomes the
+# command, in this directory.
+_BOOTSTRAP = (
+    "import json,os,sys;e=json.loads(sys.stdin.readline());os.chdir(e.pop('TF_ADASUM_CWD'));"
+    "os.execve(sys.argv[1],sys.argv[1:],e)"
+)
+
+
+def remote_command(agent: str, host: str, command: list[str]) -> list[str]:
+    """`command` run on `host` through the agent (as ssh runs it: one string for the remote shell), with
+    its environment read from stdin: remote_environment() gives the line to write there."""
+    line = f"exec {shlex.quote(sys.executable)} -c {shlex.quote(_BOOTSTRAP)} {shlex.join(command)}"
     return [*shlex.split(agent), host, line]
+
+
+def remote_environment(env: Mapping[str, str]) -> bytes:
+    """The line remote_command's process reads its environment from: `env` less what belongs to this
+    shell or this host, and this directory."""
+    forwarded = {
+        k: v for k, v in env.items() if k not in _NOT_FORWARDED and not k.startswith(_NOT_FORWARDED_PREFIXES)
+    }
+    forwarded["TF_ADASUM_CWD"] = os.getcwd()
+    return (json.dumps(forwarded) + "\n").encode()
+
+
+def start(
+    host: str, command: list[str], env: dict[str, str], agent: str, **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Starts `command` on `host` with `env`: here directly, elsewhere through the agent, the environment
+    passed on stdin (remote_command). Its stdout and stderr are pipes; it gets its own session."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "start_new_session": True, **popen}
+    if host in LOCAL_HOSTS:
+        return subprocess.Popen(command, env=env, **popen)
+    process = subprocess.Popen(remote_command(agent, host, command), env=env, stdin=subprocess.PIPE, **popen)
+    assert process.stdin is not None
+    process.stdin.write(remote_environment(env))
+    process.stdin.close()
+    return process

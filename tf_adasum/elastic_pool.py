@@ -1,0 +1,175 @@
+"""The elastic launcher's pool of warm processes: on each host, processes that have imported TensorFlow,
+Keras and tf_adasum (python -m tf_adasum.elastic_standby) and wait for a place in a group.
+
+A membership change ends the group and starts the next one (restart-based, as torchrun's), but every
+member of the next group comes from the pool: it runs the job's script from the top, as a new process
+would, without paying for Python's and TensorFlow's start (13-15 s a process when 8 start at once on
+2 cores). The launcher keeps `per_host` waiting on each host, starting new ones as it takes some, and
+when a host has none ready it starts a process cold and says so.
+
+A waiting process connects back to the pool's server (the launcher's address, the job's secret), and
+gets its assignment there: its environment (TF_CONFIG, its rank's state files), its arguments and its
+directory. Its stdout and stderr are the launcher's pipes from the start. No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from tf_adasum.elastic_protocol import (
+    ENV_POOL,
+    ENV_SECRET,
+    is_secret,
+    receive_message,
+    send_message,
+)
+from tf_adasum.hosts import start
+
+ENV_STANDBY = "TF_ADASUM_ELASTIC_STANDBY"  # a waiting process's id, which it says when it connects
+STANDBY_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_standby"]
+
+
+@dataclass
+class Standby:
+    id: str
+    host: str
+    process: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+    connection: socket.socket | None = None  # set when it has imported everything and connected
+
+    @property
+    def ready(self) -> bool:
+        return self.connection is not None and self.process.poll() is None
+
+
+class Pool:
+    """Warm processes on each host, `per_host` of them, started with `env` through `agent` (hosts.start)."""
+
+    def __init__(
+        self,
+        address: str,
+        secret: str,
+        per_host: int,
+        agent: str,
+        env: Mapping[str, str],
+        say: Callable[[str], None],
+    ) -> None:
+        self.secret = secret
+        self.per_host = per_host
+        self.agent = agent
+        self.env = dict(env)
+        self.say = say
+        self.lock = threading.Lock()
+        self.waiting: list[Standby] = []
+        self.ids = itertools.count()
+        self.server = socket.create_server((address, 0))
+        self.address = f"{address}:{self.server.getsockname()[1]}"
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True, name="tf_adasum-elastic-pool").start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hello, args=(connection,), daemon=True).start()
+
+    def _hello(self, connection: socket.socket) -> None:
+        """A waiting process's first message: the job's secret and its id. Anything else is shut out."""
+        connection.settimeout(10)
+        try:
+            message = receive_message(connection)
+        except (OSError, ValueError):
+            message = None
+        with self.lock:
+            standby = next((s for s in self.waiting if message and s.id == message.get("standby")), None)
+            if message is None or standby is None or not is_secret(message.get("secret"), self.secret):
+                connection.close()
+                return
+            connection.settimeout(None)
+            standby.connection = connection
+
+    def fill(self, slots: Mapping[str, int], besides: Mapping[str, int] | None = None) -> None:
+        """Starts processes so that each host of `slots` has min(per_host, its slots) waiting, and
+        `besides[host]` more (the members of a group about to take their places)."""
+        with self.lock:
+            for host, count in slots.items():
+                have = sum(1 for s in self.waiting if s.host == host)
+                want = min(self.per_host, count) + (besides or {}).get(host, 0)
+                for _ in range(want - have):
+                    ident = f"s{next(self.ids)}"
+                    env = {**self.env, ENV_POOL: self.address, ENV_SECRET: self.secret, ENV_STANDBY: ident}
+                    self.waiting.append(Standby(ident, host, start(host, STANDBY_COMMAND, env, self.agent)))
+
+    def ready_on(self, host: str) -> int:
+        with self.lock:
+            return sum(1 for s in self.waiting if s.host == host and s.ready)
+
+    def take(self, host: str) -> Standby | None:
+        """A ready process on `host`, out of the pool; None where none is ready."""
+        with self.lock:
+            for standby in self.waiting:
+                if standby.host == host and standby.ready:
+                    self.waiting.remove(standby)
+                    return standby
+        return None
+
+    def take_when_ready(self, host: str, until: float) -> Standby | None:
+        """A ready process on `host`, out of the pool, waiting (until `until`, time.monotonic) for one
+        still importing; None where the host has none alive, or none got ready in time."""
+        while True:
+            standby = self.take(host)
+            if standby is not None:
+                return standby
+            self.reap()
+            with self.lock:
+                alive = any(s.host == host for s in self.waiting)
+            if not alive or time.monotonic() > until:
+                return None
+            time.sleep(0.02)
+
+    def assign(self, standby: Standby, env: Mapping[str, str], command: list[str]) -> subprocess.Popen[bytes]:
+        """Gives `standby` its place: it runs `command` (python script ... or python -m module ...) with
+        `env`, in this directory. Returns its process."""
+        assert standby.connection is not None
+        send_message(standby.connection, {"env": dict(env), "argv": command[1:], "cwd": os.getcwd()})
+        standby.connection.close()
+        return standby.process
+
+    def reap(self) -> None:
+        """Forgets waiting processes that died (saying so); fill() replaces them."""
+        with self.lock:
+            dead = [s for s in self.waiting if s.process.poll() is not None]
+            for standby in dead:
+                self.waiting.remove(standby)
+        for standby in dead:
+            self.say(
+                f"a warm process on {standby.host} ({standby.id}) ended while it waited "
+                f"(exit code {standby.process.returncode}); another one starts"
+            )
+
+    def close(self) -> None:
+        """Ends every waiting process and the server."""
+        self.closed = True
+        self.server.close()
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for standby in waiting:
+            if standby.connection is not None:
+                standby.connection.close()  # it exits on its own when told nothing
+            if standby.process.poll() is None:
+                try:
+                    os.killpg(standby.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            standby.process.wait()

@@ -1,0 +1,52 @@
+"""A warm process of the elastic launcher's pool (tf_adasum/elastic_pool.py): `python -m
+tf_adasum.elastic_standby`, started by the launcher, never by hand.
+
+It imports TensorFlow, Keras and tf_adasum (importing starts no TensorFlow context, so the collective
+runtime can still be configured), connects to the launcher's pool with the job's secret, and waits.
+Given a place in a group, it takes that place's environment, arguments and directory, starts tf_adasum
+as `import tf_adasum` would have in a process launched there (the TF engine, the elastic hook), and
+runs the job's script as `python script.py args` or `python -m module args` would: as __main__, its
+directory first on sys.path. Told nothing (the launcher closed the connection), it exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+
+import keras  # noqa: F401  (warm: the imports a script makes first)
+import tensorflow  # noqa: F401
+
+import tf_adasum
+from tf_adasum.elastic_pool import ENV_STANDBY
+from tf_adasum.elastic_protocol import ENV_POOL, ENV_SECRET, receive_message, send_message
+
+
+def main() -> int:
+    host, _, port = os.environ[ENV_POOL].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        send_message(connection, {"secret": os.environ[ENV_SECRET], "standby": os.environ[ENV_STANDBY]})
+        connection.settimeout(None)
+        assignment = receive_message(connection)
+    if assignment is None:
+        return 0
+    os.environ.clear()
+    os.environ.update(assignment["env"])
+    os.chdir(assignment["cwd"])
+    argv = list(assignment["argv"])
+    tf_adasum._start_as_launched()
+    if argv[:1] == ["-m"]:
+        sys.argv = argv[1:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
