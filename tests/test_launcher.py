@@ -4,6 +4,7 @@ children here are tiny scripts that import nothing heavy."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import json, os, sys, time
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
 open(os.path.join(sys.argv[1], f"pid{index}"), "w").write(str(os.getpid()))
+seen = {k: os.environ.get(k) for k in ("USERS_SETTING", "TF_ADASUM_LAUNCHER")}
+json.dump({"cwd": os.getcwd(), **seen}, open(os.path.join(sys.argv[1], f"env{index}.json"), "w"))
 print(f"hello from {index} of {len(workers)} at {workers[index]}", flush=True)
 behaviour = sys.argv[2]
 if behaviour in ("fail", "report") and index == 1:
@@ -139,8 +142,15 @@ def test_other_hosts_are_started_through_the_agent_with_the_environment(
         *["hostb"] * 2,
     ]
     # localhost ran directly; hostb's two went through the agent, in this directory, with this
-    # environment (quoted for the remote shell) and their own TF_CONFIG.
+    # environment and their own TF_CONFIG, which travelled on stdin: the command line, which the other
+    # host's process list shows to every user, holds none of it.
     remote = (tmp_path / "hostb").read_text()
-    assert remote.startswith(f"cd {tmp_path} && exec env ")
-    assert "USERS_SETTING='it'\"'\"'s \"quoted\" $HOME'" in remote and "TF_ADASUM_LAUNCHER=1" in remote
+    assert "USERS_SETTING" not in remote and "quoted" not in remote and "TF_CONFIG" not in remote
+    for index in range(3):
+        seen = json.loads((tmp_path / f"env{index}.json").read_text())
+        assert seen == {
+            "cwd": str(tmp_path),
+            "USERS_SETTING": 'it\'s "quoted" $HOME',
+            "TF_ADASUM_LAUNCHER": "1",
+        }
     assert not (tmp_path / "localhost").exists()
