@@ -17,6 +17,7 @@ from keras.src.losses import loss as keras_loss_module
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as keras_trainer
+from keras.src.trainers.epoch_iterator import EpochIterator
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.profiler import trace as profiler_trace
@@ -77,6 +78,7 @@ REMOVALS = [
         lambda mp: mp.setattr(keras_loss_module, "reduce_values", lambda values, *a, **k: values),
     ),
     ("tf.nn.compute_average_loss", lambda mp: mp.delattr(tf.nn, "compute_average_loss")),
+    ("epoch iterators", lambda mp: mp.setattr(EpochIterator, "_enumerate_iterator", lambda self: iter(()))),
     ("optimizer variables", lambda mp: mp.delattr(BaseOptimizer, "_get_variable_index")),
     ("optimizer variables", lambda mp: mp.setattr(BaseOptimizer, "build", lambda self, variables: None)),
     ("distributed dataset iterators", lambda mp: mp.delattr(input_lib.DistributedDataset, "__iter__")),

@@ -111,6 +111,9 @@ if not _the_launcher_alone():
     _compat.install_gradient_sum_guard(strategy.refuse_gradient_mean)
     # Keras's build on one batch reduces it for its shapes only: AdasumStrategy keeps that in the process.
     _compat.install_symbolic_build_mark()
+    # fit, evaluate and predict free their data iterators off the training thread: on a busy host a
+    # destructor took seconds after fit's last batch while the other ranks waited in a collective.
+    _compat.install_iterator_release()
 
     def _start_as_launched() -> None:
         """What the process's launcher asks of tf_adasum before the script runs, from the environment:

@@ -238,9 +238,9 @@ class ElasticJob:
         if self.pool is not None:
             # The first group's processes and, besides, a full pool for the first change.
             answer = self.answer()
-            first = policy.choose_members(answer, self.blocked, [w.host for w in survivors], self.np)
+            starting = policy.choose_members(answer, self.blocked, [w.host for w in survivors], self.np)
             self.pool.fill(
-                answer, collections.Counter([survivors[i].host for i in first.kept] + first.new_hosts)
+                answer, collections.Counter([survivors[i].host for i in starting.kept] + starting.new_hosts)
             )
         try:
             while True:

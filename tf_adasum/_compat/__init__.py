@@ -17,7 +17,7 @@ No other module of tf_adasum touches a private Keras or TensorFlow name (tests/t
 The hooks, by module:
 - optimizers.py: `optimizers.get`, `_all_reduce_sum_gradients`, `Optimizer.apply`,
   `_distribution_strategy`, `LossScaleOptimizer.check_finite`, `optimizer variables`;
-- trainer.py: `train_step / test_step`, `_maybe_symbolic_build`;
+- trainer.py: `train_step / test_step`, `_maybe_symbolic_build`, `epoch iterators`;
 - distribute.py: `distributed dataset iterators`, `MirroredExtended._batch_reduce_to`,
   `_create_device_dataset`;
 - tracking.py: `tracking` (tf.__internal__.tracking, for checkpoints of every replica's state);
@@ -64,6 +64,7 @@ from tf_adasum._compat.registry import (
 from tf_adasum._compat.tracking import checkpoints_only, parse_tensor, tensors_checkpoint
 from tf_adasum._compat.trainer import (
     in_symbolic_build,
+    install_iterator_release,
     install_step_hooks,
     install_symbolic_build_mark,
     keras_function_running,
@@ -83,6 +84,7 @@ __all__ = [
     "install_batch_reduction",
     "install_global_loss_scale_finiteness",
     "install_gradient_sum_guard",
+    "install_iterator_release",
     "install_loss_scaling",
     "install_optimizer_apply",
     "install_optimizer_get",

@@ -6,6 +6,9 @@
     errors, and to know a Keras step is running) and recognises the bound steps, to average logs and
     BatchNorm statistics across processes. An unrecognised step inside a Keras train or test function
     raises HookError.
+`epoch iterators`
+    TFEpochIterator._get_iterator, through which fit, evaluate and predict make their data iterators:
+    tf_adasum frees those iterators on a thread of its own (install_iterator_release).
 `_maybe_symbolic_build`
     TensorFlowTrainer's build of the model on one batch before fit, evaluate and predict. Where a
     process holds several replicas it reduces that batch through strategy.reduce, for its shapes only; a
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -185,3 +189,105 @@ def install_symbolic_build_mark() -> None:
             _building.active = outer
 
     trainer._maybe_symbolic_build = mark(build, before)
+
+
+# --- epoch iterators ------------------------------------------------------------------------------
+
+
+def _epoch_iterator() -> Any:
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    return TFEpochIterator
+
+
+@register(
+    "epoch iterators",
+    "fit, evaluate and predict can return late: their data iterators are freed on the calling thread",
+    required=False,
+)
+def _check_epoch_iterators() -> str | None:
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    iterator = _epoch_iterator()
+    if not callable(getattr(iterator, "_get_iterator", None)):
+        return "TFEpochIterator has no _get_iterator"
+    if not uses(EpochIterator._enumerate_iterator, "_get_iterator"):
+        return "EpochIterator no longer makes its iterators through _get_iterator"
+    return None
+
+
+class _Graveyard:
+    """Frees objects on a thread of its own, `delay` seconds after they are handed over: a tf.data
+    iterator's destructor waits for its threads (tf.data's autotuning thread can take up to its
+    optimisation period, seconds to a minute on a busy host), and the thread that drops the last
+    reference pays for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buried: list[tuple[float, list[Any]]] = []
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release").start()
+
+    def bury(self, objects: list[Any], delay: float) -> None:
+        if objects:
+            with self._lock:
+                self._buried.append((time.monotonic() + delay, objects))
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            now = time.monotonic()
+            with self._lock:
+                due = [objects for when, objects in self._buried if when <= now]
+                self._buried = [(when, objects) for when, objects in self._buried if when > now]
+            del due  # here, off the training thread, each iterator's destructor runs
+
+
+_graveyard: _Graveyard | None = None
+
+
+class _ReleasedLater:
+    """A dataset whose iterators are freed on the graveyard's thread, not on the thread that made them."""
+
+    def __init__(self, dataset: Any, owner: Any) -> None:
+        self.dataset, self.owner = dataset, owner
+
+    def __iter__(self) -> Any:
+        iterator = iter(self.dataset)
+        held = self.owner.__dict__
+        # The last epoch's iterator: its owner drops it a moment from now, when it takes this one.
+        assert _graveyard is not None
+        _graveyard.bury(held.get("_tf_adasum_iterators", []), delay=5.0)
+        held["_tf_adasum_iterators"] = [iterator]
+        return iterator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataset, name)
+
+
+def install_iterator_release() -> None:
+    """Makes Keras's fit, evaluate and predict free their data iterators on a thread of their own
+    (_Graveyard), once per process: on a busy host their destructors took 1-40 s on the calling thread,
+    after fit's last batch, while the other ranks of a job waited in the next collective."""
+    global _graveyard
+    if hook_problem("epoch iterators") is not None:
+        return
+    iterator = _epoch_iterator()
+    before = iterator._get_iterator
+    if replaced(before):
+        return
+    _graveyard = _Graveyard()
+
+    @functools.wraps(before)
+    def _get_iterator(self: Any) -> Any:
+        return _ReleasedLater(before(self), self)
+
+    def __del__(self: Any) -> None:
+        # The epoch iterator goes (at fit's end): its data iterator goes on the graveyard's thread.
+        if _graveyard is not None:
+            _graveyard.bury(self.__dict__.pop("_tf_adasum_iterators", []), delay=1.0)
+
+    iterator._get_iterator = mark(_get_iterator, before)
+    iterator.__del__ = __del__
