@@ -31,7 +31,7 @@ import cluster
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
 pytestmark = pytest.mark.multiprocess
 
-WORKER = str(Path(__file__).with_name("hosts_worker.py"))
+WORKER = ["-m", "tests.workers.cluster"]
 CUT_PEER_TIMEOUT = 10.0
 
 
@@ -75,13 +75,18 @@ def test_fit_across_two_hosts_equals_the_simulation(
 ) -> None:
     """AdasumStrategy with its default devices (the crash), a process alone on its host or one of two;
     with one each, also the plain Keras scripts under AdasumCallback and the Horovod example."""
-    from tests.test_existing_scripts import check_callback_run, check_horovod_run
+    from tests.test_existing_scripts import (
+        CALLBACK_MODES,
+        HOROVOD_MODES,
+        check_callback_run,
+        check_horovod_run,
+    )
     from tests.test_training import simulate
 
     p = 2 * per_host
-    modes = "strategy,callback,horovod" if per_host == 1 else "strategy"
+    modes = f"strategy,{CALLBACK_MODES},{HOROVOD_MODES}" if per_host == 1 else "strategy"
     before = two_hosts.bytes_sent()
-    code = processes.launch(launcher, p, tmp_path, [WORKER, str(tmp_path), modes], cluster=two_hosts)
+    code = processes.launch(launcher, p, tmp_path, [*WORKER, str(tmp_path), modes], cluster=two_hosts)
     assert code == 0, log_tail(tmp_path)
     sent = [b - a for a, b in zip(before, two_hosts.bytes_sent(), strict=True)]
     assert min(sent) > 2_000, sent  # the job's traffic went over both links (a fit of 8 weights: little)
@@ -125,7 +130,7 @@ def test_a_cut_link_gives_every_rank_a_peer_error_naming_the_peer(launcher: str,
     with cluster.Cluster(hosts=2, name="tfac", rate="1gbit") as hosts:
         extra = {"TF_ADASUM_TIMEOUT_SECONDS": str(int(CUT_PEER_TIMEOUT))}
         command, env = processes.launch_command(
-            launcher, 2, [WORKER, str(tmp_path), "cut"], extra, cluster=hosts
+            launcher, 2, [*WORKER, str(tmp_path), "cut"], extra, cluster=hosts
         )
         with (tmp_path / "output.log").open("w") as log:
             job = subprocess.Popen(
@@ -265,7 +270,7 @@ def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path)
                 sys.executable, "-m", "tf_adasum.run", "--elastic",
                 "-np", "2", "--min-np", "2", "--max-np", "3",
                 "--host-discovery-script", str(discovery), "--agent", processes.AGENT, "--timeout", "220",
-                "--state-dir", str(tmp_path / "state"), ELASTIC_WORKER, str(tmp_path), "strategy",
+                "--state-dir", str(tmp_path / "state"), *ELASTIC_WORKER, str(tmp_path), "strategy",
             ],
         )  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)

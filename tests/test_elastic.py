@@ -1,7 +1,7 @@
 """Elastic training: `python -m tf_adasum.run --elastic` with real processes that are killed, stopped,
 fail during a commit, run out, grow and fail too often; and tf_adasum.elastic's state and callbacks.
 
-The multi-process tests run tests/elastic_worker.py (the TF engine: the elastic launcher starts it), each
+The multi-process tests run tests/workers/elastic.py (the TF engine: the elastic launcher starts it), each
 bounded by LAUNCH_TIMEOUT, with TF_ADASUM_TIMEOUT_SECONDS short so that a lost peer is noticed soon.
 """
 
@@ -27,7 +27,7 @@ from tf_adasum.elastic_launcher import elastic_launch
 from tf_adasum.elastic_policy import parse_slots
 from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
 
-WORKER = ROOT / "tests" / "elastic_worker.py"
+WORKER = ["-m", "tests.workers.elastic"]
 LAUNCH_TIMEOUT = 240
 PEER_TIMEOUT = "15"
 
@@ -40,7 +40,7 @@ def launch(
     command = [
         sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", str(np_),
         "--timeout", str(LAUNCH_TIMEOUT - 20),
-        "--state-dir", str(out / "state"), *flags, str(WORKER), str(out), mode,
+        "--state-dir", str(out / "state"), *flags, *WORKER, str(out), mode,
     ]  # fmt: skip
     environ = dict(
         os.environ,
@@ -79,7 +79,7 @@ def assert_same_on_every_rank(found: list[list[np.ndarray]]) -> None:
 
 
 def committed_optimizer(path: Path, commit: int) -> list[float]:
-    """The optimizer digest (elastic_worker.record's) of a commit in a survivor's state file."""
+    """The optimizer digest (tests/workers/elastic.py's record) of a commit in a survivor's state file."""
     with open(path, "rb") as f:
         commits = pickle.load(f)
     return [float(np.sum(np.abs(parts[0]))) for parts in commits[commit]["optimizer"]]
@@ -242,7 +242,7 @@ def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
     """Horovod's test_elastic_state with the import changed, under the plain launcher (one group)."""
     done = subprocess.run(
         [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--timeout", "120",
-         str(WORKER), str(tmp_path), "horovod_state"],
+         *WORKER, str(tmp_path), "horovod_state"],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3"),
         capture_output=True, text=True, timeout=150, check=False,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Existing scripts on real processes: plain Keras with AdasumCallback, Horovod scripts with
 tf_adasum.keras, and failures (a NaN, uneven data, a killed rank). Each launch runs under mpirun or the
 TF launcher, on 127.0.0.1, bounded by a timeout, and the 3-process scripts under horovodrun's Gloo mode
-too; tests/script_worker.py is what every process runs."""
+too; tests/workers/existing_scripts.py is what every process runs."""
 
 from __future__ import annotations
 
@@ -15,18 +15,23 @@ import pytest
 
 from tests import processes
 from tests.processes import log_tail
-from tests.script_worker import ACCUMULATION, BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
 from tests.test_training import Replica, mse_grads, simulate_replicas
+from tests.workers.data import ACCUMULATION, BATCH, CASES, ROWS_PER_RANK, initial_weights, shard
 
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
 pytestmark = pytest.mark.multiprocess
 
-WORKER = str(Path(__file__).with_name("script_worker.py"))
+WORKER = ["-m", "tests.workers.existing_scripts"]
+# The plain Keras scripts under AdasumCallback (check_callback_run), and the Horovod scripts on
+# tf_adasum.keras (check_horovod_run): the worker's modes, chained in one launch.
+CALLBACK_MODES = "callback,mixed_precision,orthogonality"
+HOROVOD_MODES = "example,average,accumulate,lazy,local_variables,sparse,resume_on_rank_0"
+FAILURE_MODES = "nan,uneven_known,uneven_unknown"
 
 
-def launch(launcher: str, p: int, out: Path, mode: str, peer_timeout: str | None = None) -> int:
+def launch(launcher: str, p: int, out: Path, modes: str, peer_timeout: str | None = None) -> int:
     extra = {"TF_ADASUM_TIMEOUT_SECONDS": peer_timeout} if peer_timeout else None
-    return processes.launch(launcher, p, out, [WORKER, str(out), mode], extra)
+    return processes.launch(launcher, p, out, [*WORKER, str(out), modes], extra)
 
 
 def load(out: Path, name: str, p: int) -> tuple[list[dict[str, Any]], list[list[np.ndarray]]]:
@@ -80,10 +85,10 @@ def check_callback_run(out: Path, p: int) -> None:
 def three_processes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, Path]:
-    """One 3-process launch per launcher for the callback's run and then the failure cases, in the same
+    """One 3-process launch per launcher for the callback's runs and then the failure cases, in the same
     processes (a launch's start-up is most of its time): (launcher, its output folder)."""
     out = tmp_path_factory.mktemp(f"three_processes_{request.param}")
-    code = launch(request.param, 3, out, "callback,failures")
+    code = launch(request.param, 3, out, f"{CALLBACK_MODES},{FAILURE_MODES}")
     assert code == 0, log_tail(out)
     return request.param, out
 
@@ -210,13 +215,12 @@ def check_horovod_run(out: Path, p: int) -> None:
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_the_horovod_example_runs_with_tf_adasum_keras(launcher: str, tmp_path: Path) -> None:
-    code = launch(launcher, 2, tmp_path, "horovod")
+    code = launch(launcher, 2, tmp_path, HOROVOD_MODES)
     assert code == 0, log_tail(tmp_path)
     check_horovod_run(tmp_path, 2)
 
 
 def test_a_nan_or_uneven_data_stops_every_rank_with_the_same_error(three_processes: tuple[str, Path]) -> None:
-    infos, _ = load(three_processes[1], "failures", 3)
     # The layers' names count the models the process built before (sequential_8/dense_8/kernel).
     kernel = r"rank 1: tensor 0 of 2 \(sequential\w*/dense\w*/kernel\) holds NaN or Inf"
     ran_out = re.escape("rank(s) [1] ran out of data (rank 1 after 2 batches")
@@ -225,10 +229,11 @@ def test_a_nan_or_uneven_data_stops_every_rank_with_the_same_error(three_process
         ("uneven_known", "UnevenDataError", re.escape("(rank 0: 4, rank 1: 3, rank 2: 4)")),
         ("uneven_unknown", "UnevenDataError", ran_out),
     ]:
+        infos, _ = load(three_processes[1], case, 3)
         for r in range(3):
-            seen = infos[r][case]
+            seen = infos[r]
             assert seen["error"] == error and re.search(says, seen["message"]), (case, r, seen)
-            assert seen["message"] == infos[0][case]["message"]  # the same error on every rank
+            assert seen["message"] == infos[0]["message"]  # the same error on every rank
             assert "steps_per_epoch" in seen["message"] or case == "nan"
             assert seen["seconds"] < 20, (case, r, seen)  # far below the 60 s peer timeout: no waiting
 
@@ -254,7 +259,7 @@ def test_a_killed_rank_stops_the_others_and_backup_and_restore_resumes_tf_engine
     seen = json.loads((tmp_path / "killed0.json").read_text())
     assert seen["error"] == "PeerError" and "lost rank 1" in seen["message"], seen
     assert seen["seconds"] < 30, seen
-    assert launch("tf", 2, tmp_path, "resume") == 0, log_tail(tmp_path)
+    assert launch("tf", 2, tmp_path, "resume_from_backup") == 0, log_tail(tmp_path)
     check_resumed_from_the_backup(tmp_path)
 
 
@@ -262,13 +267,13 @@ def test_a_killed_rank_ends_the_mpi_job_and_backup_and_restore_resumes(tmp_path:
     # Open MPI itself ends the job within a second and names the rank; nobody waits for it.
     code = launch("mpi", 2, tmp_path, "killed")
     assert code != 0 and "process rank 1" in log_tail(tmp_path), log_tail(tmp_path)
-    assert launch("mpi", 2, tmp_path, "resume") == 0, log_tail(tmp_path)
+    assert launch("mpi", 2, tmp_path, "resume_from_backup") == 0, log_tail(tmp_path)
     check_resumed_from_the_backup(tmp_path)
 
 
 def test_a_hung_mpi_rank_gives_peer_error_inside_fit(tmp_path: Path) -> None:
     code = launch("mpi", 2, tmp_path, "hung", peer_timeout="10")
     assert code != 0, log_tail(tmp_path)
-    seen = json.loads((tmp_path / "killed0.json").read_text())
+    seen = json.loads((tmp_path / "hung0.json").read_text())
     assert seen["error"] == "PeerError" and "rank(s) [1]" in seen["message"], seen
     assert 10 <= seen["seconds"] < 40, seen

@@ -1,7 +1,8 @@
 """Custom training loops on real processes (mpirun, the TF launcher, horovodrun's Gloo mode, 127.0.0.1,
 every launch bounded): TensorFlow's tutorial loop under AdasumStrategy and Horovod's TF2 tape loop on
 tf_adasum.tensorflow against the numpy simulation, the project's two loop examples, collectives in
-program order, and mismatched collectives. tests/loop_worker.py is what every process runs."""
+program order, and mismatched collectives. tests/workers/loops_across_processes.py is what every process
+runs."""
 
 from __future__ import annotations
 
@@ -13,20 +14,19 @@ import numpy as np
 import pytest
 
 from tests import oracle, processes
-from tests.loop_worker import REPETITIONS
 from tests.processes import log_tail
-from tests.script_worker import BATCH, ROWS_PER_RANK, initial_weights, shard
 from tests.test_existing_scripts import load, simulate_processes
 from tests.test_training import Replica, mse_grads, simulate
+from tests.workers.data import BATCH, REPETITIONS, ROWS_PER_RANK, initial_weights, shard
 
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
 pytestmark = pytest.mark.multiprocess
 
-WORKER = str(Path(__file__).with_name("loop_worker.py"))
+WORKER = ["-m", "tests.workers.loops_across_processes"]
 
 
 def launch(launcher: str, p: int, out: Path, *modes: str) -> None:
-    code = processes.launch(launcher, p, out, [WORKER, str(out), *modes])
+    code = processes.launch(launcher, p, out, [*WORKER, str(out), ",".join(modes)])
     assert code == 0, log_tail(out)
 
 
@@ -125,14 +125,17 @@ def check_ordering(out: Path, p: int) -> None:
     assert len(steps) == REPETITIONS and np.all(np.isfinite(steps))
     # The independent collectives: sum, rank 0's values, mean, rank 0's values plus one.
     assert independent == [[3.0 * r * p, 0.0, 6.0 * r, 5.0] for r in range(REPETITIONS)], independent
-    # reducescatter: rank r's rows of the sum (or mean) over ranks of (r + 1) * rows, the first
-    # 5 % p ranks one row more.
+
+
+def check_reducescatter(out: Path, p: int) -> None:
+    # rank r's rows of the sum (or mean) over ranks of (r + 1) * rows, the first 5 % p ranks one row more.
+    infos, _ = load(out, "reducescatter", p)
     total = np.arange(10.0).reshape(5, 2) * sum(r + 1 for r in range(p))
     starts = [r * (5 // p) + min(r, 5 % p) for r in range(p + 1)]
     for r, info in enumerate(infos):
         share = total[starts[r] : starts[r + 1]]
-        assert info["reducescatter"]["eager"] == share.tolist(), (r, info["reducescatter"])
-        np.testing.assert_allclose(info["reducescatter"]["compiled"], share / p, rtol=1e-6)
+        assert info["eager"] == share.tolist(), (r, info)
+        np.testing.assert_allclose(info["compiled"], share / p, rtol=1e-6)
 
 
 def check_mismatch(out: Path, p: int, engine: str) -> None:
@@ -159,11 +162,12 @@ def check_mismatch(out: Path, p: int, engine: str) -> None:
 # tape loops at 3 do not reach, and cost 40 s of CI.
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
-    modes = ["tutorial", "tape", "ordering", "mismatch", *(["examples"] if launcher == "mpi" else [])]
-    launch(launcher, 2, tmp_path, *modes)
+    modes = ["tutorial", "tape", "ordering", "reducescatter", "mismatch"]
+    launch(launcher, 2, tmp_path, *modes, *(["examples"] if launcher == "mpi" else []))
     check_tutorial(tmp_path, 2)
     check_tape(tmp_path, 2)
     check_ordering(tmp_path, 2)
+    check_reducescatter(tmp_path, 2)
     check_mismatch(tmp_path, 2, launcher)
     if launcher == "mpi":
         check_examples(tmp_path, 2)
@@ -178,9 +182,9 @@ def test_the_loop_examples_under_horovodrun_gloo(tmp_path: Path) -> None:
     # horovodrun's one test: its Gloo mode starts the TF engine from horovodrun's own rendezvous, on the
     # loopback only; the Keras scripts (AdasumCallback, the Horovod example) run on that same engine
     # under tf_adasum.run in test_existing_scripts.
-    launch("horovodrun", 2, tmp_path, "examples")
+    launch("horovodrun", 2, tmp_path, "examples", "engine")
     check_examples(tmp_path, 2)
-    infos, _ = load(tmp_path, "examples_engine", 2)
+    infos, _ = load(tmp_path, "engine", 2)
     for info in infos:
         assert info["engine"] == "tf" and info["size"] == 2, info
         assert info["rendezvous"] == "127.0.0.1", info

@@ -1,14 +1,28 @@
-"""One process of the existing-scripts tests: plain Keras scripts under AdasumCallback, Horovod scripts
-under tf_adasum.keras, and what happens when a rank fails. Started by mpirun or `python -m tf_adasum.run`;
-every process writes what it saw into OUT_DIR.
+"""The worker of tests/test_existing_scripts.py (and, for its plain Keras and Horovod modes, of
+tests/workers/cluster.py): plain Keras scripts under AdasumCallback, Horovod scripts under
+tf_adasum.keras, and what happens when a rank fails. Started by mpirun, `python -m tf_adasum.run` or
+horovodrun: `python -m tests.workers.existing_scripts OUT MODE[,MODE...]` (tests/workers/dispatch.py);
+every process writes what it saw into OUT.
 
-Usage:
-    script_worker.py OUT_DIR callback     # AdasumCallback: {SGD momentum, Adam} x sync_every {1, 2}
-    script_worker.py OUT_DIR horovod      # the Horovod example port, then DistributedOptimizer(op=Average)
-    script_worker.py OUT_DIR failures     # a NaN on rank 1; uneven shards, known and unknown length
-    script_worker.py OUT_DIR killed       # rank 1 dies mid-epoch; BackupAndRestore saves every 2 batches
-    script_worker.py OUT_DIR hung         # rank 1 hangs mid-epoch instead
-    script_worker.py OUT_DIR resume       # the same fit again: it resumes from the backup
+Modes:
+    callback            AdasumCallback on data.CASES: {SGD momentum, Adam} x sync_every {1, 2}, roots,
+                        steps_per_execution 2
+    mixed_precision     mixed_float16 with rank 1's first batch overflowing, under AdasumCallback
+                        (sync_every 1, 2) and DistributedOptimizer(op=Adasum, backward_passes_per_step=2)
+    orthogonality       OrthogonalityMonitor under AdasumCallback
+    example             the Horovod example port (examples/horovod_keras_digits.py), 4 epochs
+    average             DistributedOptimizer(op=Average): one step on each rank's batch
+    accumulate          gradient accumulation, data.ACCUMULATION (backward_passes_per_step)
+    lazy                a model Keras builds in its first step, under BroadcastGlobalVariablesCallback
+    local_variables     PartialDistributedOptimizer and local variables (Average, Adasum)
+    sparse              DistributedOptimizer(sparse_as_dense=True) on an Embedding
+    resume_on_rank_0    Horovod's resume: rank 0 loads its checkpoint, the callback broadcasts it
+    nan                 a NaN in rank 1's third batch under AdasumCallback
+    uneven_known        rank 1 has one batch fewer, the length known
+    uneven_unknown      rank 1 runs out of a generator's batches first
+    killed              rank 1 dies mid-epoch (SIGKILL); BackupAndRestore saves every 2 batches
+    hung                rank 1 hangs mid-epoch instead
+    resume_from_backup  the killed job's fit again: it resumes from the backup
 """
 
 from __future__ import annotations
@@ -22,38 +36,25 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
+from tests.workers.data import (
+    ACCUMULATION,
+    BATCH,
+    CASES,
+    FEATURES,
+    OUTPUTS,
+    ROWS_PER_RANK,
+    initial_weights,
+    shard,
+)
+from tests.workers.dispatch import main
 
-ROWS_PER_RANK, BATCH, FEATURES, OUTPUTS = 16, 4, 3, 2
-# kind, sync_every, root (modulo the number of processes), steps_per_execution
-CASES = [
-    ("sgd_momentum", 1, 0, 1),
-    ("adam", 1, 1, 1),
-    ("sgd_momentum", 2, 2, 1),
-    ("adam", 2, 0, 1),
-    ("sgd_momentum", 1, 1, 2),  # two steps per compiled call: still a sync after every step
-]
-
-
-def shard(rank: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(1000 + rank)
-    x = rng.standard_normal((ROWS_PER_RANK, FEATURES)).astype(np.float32)
-    y = rng.standard_normal((ROWS_PER_RANK, OUTPUTS)).astype(np.float32)
-    return x, y
-
-
-def initial_weights(rank: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(2000 + rank)
-    return [
-        rng.standard_normal((FEATURES, OUTPUTS)).astype(np.float32),
-        rng.standard_normal(OUTPUTS).astype(np.float32),
-    ]
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
@@ -101,13 +102,12 @@ def callback(out: Path) -> None:
             "workers": getattr(comm, "workers", None),
         }
         save(out, f"callback_case{i}_", info, model.get_weights())
-    mixed_precision(out)
-    orthogonality(out)
 
 
 def orthogonality(out: Path) -> None:
     """OrthogonalityMonitor under AdasumCallback: rank r's step moves one kernel along (r + 1) e_r, the
     other along e_0 (as tests/test_monitor.py does with replicas)."""
+    tf_adasum.init()
     rank, size = tf_adasum.rank(), tf_adasum.size()
     orthogonal, parallel = keras.Input((size,)), keras.Input((size,))
     zeros = {"use_bias": False, "kernel_initializer": "zeros"}
@@ -127,6 +127,7 @@ def mixed_precision(out: Path) -> None:
     """mixed_float16 with rank 1's first batch overflowing: every process skips that step."""
     import tf_adasum.keras as hvd
 
+    tf_adasum.init()
     x, y = (a / 10 for a in shard(tf_adasum.rank()))  # small enough for float16 at a loss scale of 2^15
     if tf_adasum.rank() == 1:
         x[:BATCH] *= 3e4
@@ -166,39 +167,60 @@ def mixed_precision(out: Path) -> None:
         keras.mixed_precision.set_global_policy("float32")
 
 
-def horovod(out: Path) -> None:
-    import horovod_keras_digits as example
+def example(out: Path) -> None:
+    """The Horovod example port, 4 epochs of 120 steps; it writes its checkpoints into OUT."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))  # the example's module
+    import horovod_keras_digits as digits
 
     import tf_adasum.keras as hvd
 
-    example.EPOCHS, example.STEPS = 4, 120
+    hvd.init()
+    digits.EPOCHS, digits.STEPS = 4, 120
     os.chdir(out)  # the example writes its checkpoints into the working directory
-    model = example.train()
+    model = digits.train()
     history = model.history.history
     rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
     info = {"history": history, "learning_rate": rate, "size": hvd.size()}
     save(out, "example", info, model.get_weights())
 
-    # DistributedOptimizer(op=Average): one step on each rank's batch = one step on both batches.
+
+def average(out: Path) -> None:
+    """DistributedOptimizer(op=Average): one step on each rank's batch = one step on both batches."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
     x, y = shard(hvd.rank())
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), op=hvd.Average)
     model = linear_model(0, optimizer)
     model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     save(out, "average", {}, model.get_weights())
 
-    # Gradient accumulation: k passes summed on each rank, then one all-reduce (two epochs: 8 passes).
-    for name, (op, kind, k, average) in ACCUMULATION.items():
+
+def accumulate(out: Path) -> None:
+    """Gradient accumulation: k passes summed on each rank, then one all-reduce (two epochs: 8 passes)."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
+    x, y = shard(hvd.rank())
+    for name, (op, kind, k, averaged) in ACCUMULATION.items():
         optimizer = hvd.DistributedOptimizer(
             make_optimizer(kind),
             op=getattr(hvd, op),
             backward_passes_per_step=k,
-            average_aggregated_gradients=average,
+            average_aggregated_gradients=averaged,
         )
         model = linear_model(0, optimizer)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         save(out, name, {"iterations": int(optimizer.iterations.numpy())}, model.get_weights())
 
-    # A model Keras builds only in its first step (no Input): the broadcast comes after the first batch.
+
+def lazy(out: Path) -> None:
+    """A model Keras builds only in its first step (no Input): the broadcast comes after the first batch."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
+    x, y = shard(hvd.rank())
     keras.utils.set_random_seed(hvd.rank())
     model = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(OUTPUTS)])
     # A metric, whose variables exist before the layers' do.
@@ -215,8 +237,14 @@ def horovod(out: Path) -> None:
     )
     save(out, "lazy", {}, model.get_weights())
 
-    # Local variables: the second layer is each worker's own (Horovod's PartialDistributedOptimizer
-    # and BroadcastGlobalVariablesCallback(local_variables=...)); every rank starts elsewhere.
+
+def local_variables(out: Path) -> None:
+    """Local variables: the second layer is each worker's own (Horovod's PartialDistributedOptimizer
+    and BroadcastGlobalVariablesCallback(local_variables=...)); every rank starts elsewhere."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
+    x, y = shard(hvd.rank())
     for op in ("Average", "Adasum"):
         keras.utils.set_random_seed(hvd.rank())
         model = keras.Sequential(
@@ -231,8 +259,14 @@ def horovod(out: Path) -> None:
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[broadcast])
         save(out, f"local_{op}", {}, model.get_weights())
 
-    # sparse_as_dense: an Embedding's IndexedSlices gradients, averaged over processes, are the gradient
-    # of the whole global batch, so the model steps as one plain model on every rank's rows at once.
+
+def sparse(out: Path) -> None:
+    """sparse_as_dense: an Embedding's IndexedSlices gradients, averaged over processes, are the gradient
+    of the whole global batch, so the model steps as one plain model on every rank's rows at once."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
+
     def embedding_model() -> keras.Model:
         keras.utils.set_random_seed(7)  # the same weights on every rank
         return keras.Sequential(
@@ -255,15 +289,21 @@ def horovod(out: Path) -> None:
     moved = float(np.max(np.abs(model.get_weights()[0] - start)))
     save(out, "sparse", {"moved": moved}, model.get_weights() + reference.get_weights())
 
+
+def resume_on_rank_0(out: Path) -> None:
+    """Horovod's resume, under op Average and Adasum: rank 0 loads the checkpoint it wrote, the others
+    build new models, and BroadcastGlobalVariablesCallback gives them its weights and optimizer state.
+    Saved: the run that went on (one epoch, then another), and the runs resumed after the first epoch from
+    rank 0's file (`rank0`), from rank 0's file on every rank (`all`), and from each rank's own file
+    (`own`, Adasum only)."""
+    import tf_adasum.keras as hvd
+
+    hvd.init()
     for op in ("Average", "Adasum"):
-        resume_on_rank_0(out, op)
+        resume_under(out, op)
 
 
-def resume_on_rank_0(out: Path, op: str) -> None:
-    """Horovod's resume: rank 0 loads the checkpoint it wrote, the others build new models, and
-    BroadcastGlobalVariablesCallback gives them its weights and optimizer state. Saved: the run that
-    went on (one epoch, then another), and the runs resumed after the first epoch from rank 0's file
-    (`rank0`), from rank 0's file on every rank (`all`), and from each rank's own file (`own`)."""
+def resume_under(out: Path, op: str) -> None:
     import tf_adasum.keras as hvd
 
     x, y = shard(hvd.rank())
@@ -299,13 +339,6 @@ def resume_on_rank_0(out: Path, op: str) -> None:
         save(out, f"resumed_{how}_{op}", info, state(model))
 
 
-# (op, optimizer, backward_passes_per_step, average_aggregated_gradients), under tf_adasum.keras.
-ACCUMULATION = {
-    "accumulate_average": ("Average", "adam", 2, True),
-    "accumulate_sum": ("Sum", "sgd_momentum", 4, False),
-}
-
-
 def outcome(fn: Any) -> dict[str, Any]:
     """What fn raised (type and message) and how long it took."""
     start = time.monotonic()
@@ -317,32 +350,42 @@ def outcome(fn: Any) -> dict[str, Any]:
     return {"error": error, "message": message, "seconds": time.monotonic() - start}
 
 
-def failures(out: Path) -> None:
+def nan(out: Path) -> None:
+    """A NaN in rank 1's third batch: its update goes NaN at step 3, and every rank raises."""
     rank = tf_adasum.init().rank
-    results: dict[str, Any] = {}
-
     x, y = shard(rank)
     if rank == 1:
         x = x.copy()
-        x[2 * BATCH + 1, 0] = np.nan  # rank 1's third batch: its update goes NaN at step 3
+        x[2 * BATCH + 1, 0] = np.nan
     model = linear_model(rank, make_optimizer("sgd_momentum"))
-    results["nan"] = outcome(
+    seen = outcome(
         lambda: model.fit(
             x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[tf_adasum.AdasumCallback()]
         )
     )
+    save(out, "nan", seen)
 
-    # Known length: rank 1 has one batch fewer; every rank refuses before the first step.
+
+def uneven_known(out: Path) -> None:
+    """Known length: rank 1 has one batch fewer; every rank refuses before the first step."""
+    rank = tf_adasum.init().rank
     x, y = shard(rank)
     rows = ROWS_PER_RANK - BATCH if rank == 1 else ROWS_PER_RANK
     model = linear_model(rank, make_optimizer("sgd_momentum"))
-    results["uneven_known"] = outcome(
+    seen = outcome(
         lambda: model.fit(
             x[:rows], y[:rows], batch_size=BATCH, verbose=0, callbacks=[tf_adasum.AdasumCallback()]
         )
     )
+    save(out, "uneven_known", seen)
 
-    # Unknown length (a generator): rank 1 runs out after 2 batches, the others have 4.
+
+def uneven_unknown(out: Path) -> None:
+    """Unknown length (a generator): rank 1 runs out after 2 batches, the others have 4."""
+    rank = tf_adasum.init().rank
+    x, y = shard(rank)
+    rows = ROWS_PER_RANK - BATCH if rank == 1 else ROWS_PER_RANK
+
     def batches() -> Any:
         for i in range(rows // BATCH if rank != 1 else 2):
             yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
@@ -350,10 +393,8 @@ def failures(out: Path) -> None:
     spec = (tf.TensorSpec([None, FEATURES], tf.float32), tf.TensorSpec([None, OUTPUTS], tf.float32))
     data = tf.data.Dataset.from_generator(batches, output_signature=spec)
     model = linear_model(rank, make_optimizer("sgd_momentum"))
-    results["uneven_unknown"] = outcome(
-        lambda: model.fit(data, epochs=2, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
-    )
-    save(out, "failures", results)
+    seen = outcome(lambda: model.fit(data, epochs=2, verbose=0, callbacks=[tf_adasum.AdasumCallback()]))
+    save(out, "uneven_unknown", seen)
 
 
 class DieAt(keras.callbacks.Callback):
@@ -393,32 +434,53 @@ class Record(keras.callbacks.Callback):
         self._write(f"batch{int(self.model.optimizer.iterations.numpy())}")
 
 
-def killed_or_resumed(out: Path, resume: bool, hang: bool = False) -> None:
+def killed_or_resumed(out: Path, name: str, resume: bool, hang: bool = False) -> None:
     rank = tf_adasum.init().rank
     x, y = shard(rank)
     model = linear_model(rank, make_optimizer("sgd_momentum"))
     backup = keras.callbacks.BackupAndRestore(str(out / f"backup{rank}"), save_freq=2)
-    callbacks: list[Any] = [tf_adasum.AdasumCallback(), backup, Record(out, "resume" if resume else "killed")]
+    callbacks: list[Any] = [tf_adasum.AdasumCallback(), backup, Record(out, "resume" if resume else name)]
     if not resume and rank == 1:
         callbacks.append(DieAt(epoch=1, batch=1, hang=hang))  # after 5 steps: the backup holds step 4
     result = outcome(
         lambda: model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     )
-    save(out, "resumed" if resume else "killed", result, model.get_weights())
+    save(out, "resumed" if resume else name, result, model.get_weights())
     sys.stdout.flush()
     if result["error"] != "none":
         os._exit(3)  # the job failed; do not wait in MPI_Finalize for the rank that died
 
 
+def killed(out: Path) -> None:
+    killed_or_resumed(out, "killed", resume=False)
+
+
+def hung(out: Path) -> None:
+    killed_or_resumed(out, "hung", resume=False, hang=True)
+
+
+def resume_from_backup(out: Path) -> None:
+    killed_or_resumed(out, "resumed", resume=True)
+
+
+MODES = {
+    "callback": callback,
+    "mixed_precision": mixed_precision,
+    "orthogonality": orthogonality,
+    "example": example,
+    "average": average,
+    "accumulate": accumulate,
+    "lazy": lazy,
+    "local_variables": local_variables,
+    "sparse": sparse,
+    "resume_on_rank_0": resume_on_rank_0,
+    "nan": nan,
+    "uneven_known": uneven_known,
+    "uneven_unknown": uneven_unknown,
+    "killed": killed,
+    "hung": hung,
+    "resume_from_backup": resume_from_backup,
+}
+
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    for mode in sys.argv[2].split(","):  # several modes: one after another, in one launch
-        if mode == "callback":
-            callback(out_dir)
-        elif mode == "horovod":
-            horovod(out_dir)
-        elif mode == "failures":
-            failures(out_dir)
-        else:
-            killed_or_resumed(out_dir, resume=mode == "resume", hang=mode == "hung")
+    main(MODES)

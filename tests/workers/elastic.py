@@ -1,10 +1,13 @@
-"""One process of the elastic tests, started by `python -m tf_adasum.run --elastic`.
+"""The worker of tests/test_elastic.py (and of test_cluster.py's elastic job), started by
+`python -m tf_adasum.run --elastic ... -m tests.workers.elastic OUT MODE` (tests/workers/dispatch.py).
 
-Usage:
-    elastic_worker.py OUT_DIR strategy   # model.fit under AdasumStrategy(), Horovod's elastic callbacks
-    elastic_worker.py OUT_DIR callback   # a plain model.fit with AdasumCallback, each process its share
-    elastic_worker.py OUT_DIR loop       # a GradientTape loop: tf_adasum.tensorflow's DistributedOptimizer
-                                         # (Adasum) and TensorFlowKerasState, a commit per batch
+Modes:
+    strategy       model.fit under AdasumStrategy(), Horovod's elastic callbacks
+    callback       a plain model.fit with AdasumCallback, each process its share
+    loop           a GradientTape loop: tf_adasum.tensorflow's DistributedOptimizer (Adasum) and
+                   TensorFlowKerasState, a commit per batch
+    horovod_state  Horovod's test_elastic_state, on 2 ranks: sync takes rank 0's state, restore and
+                   commit as Horovod's (under the plain launcher)
 
 The global batch is GLOBAL_BATCH rows whatever the number of processes: each process trains on its
 contiguous share of every global batch, so a new group reshards the data by itself.
@@ -21,12 +24,10 @@ when that batch (of any epoch, counted from 0 in the epoch) starts:
 $RESET_LR=X registers a reset callback that sets the learning rate to X * size() (fit modes).
 $PRELUDE=1 makes one all-reduce before the training function, as Horovod's examples do (a one-step fit).
 $SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
+$BATCHES_PER_COMMIT: the fit modes' CommitStateCallback's (default 1).
 
-    elastic_worker.py OUT_DIR horovod_state   # Horovod's test_elastic_state, on 2 ranks: sync takes
-                                              # rank 0's state, restore and commit as Horovod's
-
-Each process writes OUT/final-rank{r}.npz (the weights) and .json (its group, size, where it resumed),
-and OUT/resumed-group{g}-rank{r}.json when its training function starts.
+Each process of strategy, callback and loop writes OUT/final-rank{r}.npz (the weights) and .json (its
+group, size, where it resumed), and OUT/resumed-group{g}-rank{r}.json when its training function starts.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -51,6 +51,7 @@ import tf_adasum  # under tf_adasum.run this starts the TF engine
 import keras
 import tensorflow as tf
 
+from tests.workers.dispatch import main
 from tf_adasum import elastic
 
 GLOBAL_BATCH = 12
@@ -160,21 +161,32 @@ def prelude() -> None:
         tf_adasum.allreduce(tf.ones([4]), op=tf_adasum.Sum)
 
 
-def fit(out: Path, mode: str) -> None:
+def strategy(out: Path) -> None:
+    """model.fit under AdasumStrategy(): every process is given the global batches."""
+    tf_adasum.init()
+    prelude()
+    x, y = data()
+    adasum = tf_adasum.AdasumStrategy()
+    model = model_in(adasum)
+    with adasum.scope():
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    fit(out, model, x, y, GLOBAL_BATCH, [])
+
+
+def callback(out: Path) -> None:
+    """A plain model.fit with AdasumCallback: each process is given its share of every global batch."""
     comm = tf_adasum.init()
     prelude()
     x, y = data()
-    if mode == "strategy":
-        strategy = tf_adasum.AdasumStrategy()
-        model = model_in(strategy)
-        with strategy.scope():
-            model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-        fit_x, fit_y, batch, extra = x, y, GLOBAL_BATCH, []
-    else:
-        model = model_in(None)
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-        fit_x, fit_y = my_share(x, comm.rank, comm.size), my_share(y, comm.rank, comm.size)
-        batch, extra = len(fit_x) // (ROWS // GLOBAL_BATCH), [tf_adasum.AdasumCallback()]
+    model = model_in(None)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    fit_x, fit_y = my_share(x, comm.rank, comm.size), my_share(y, comm.rank, comm.size)
+    batch = len(fit_x) // (ROWS // GLOBAL_BATCH)
+    fit(out, model, fit_x, fit_y, batch, [tf_adasum.AdasumCallback()])
+
+
+def fit(out: Path, model: keras.Model, fit_x: np.ndarray, fit_y: np.ndarray, batch: int, extra: list) -> None:
+    """The elastic fit both fit modes share: KerasState, Horovod's elastic callbacks, the faults."""
     state = elastic.KerasState(model, epoch=0, batch=0)
     kill_in_commit(state, lambda: state.batch - 1)
     if os.environ.get("RESET_LR"):  # Horovod's rule for an average, in a reset callback
@@ -288,11 +300,7 @@ def horovod_state(out: Path) -> None:
     (out / f"horovod_state-rank{hvd.rank()}.json").write_text(json.dumps(results))
 
 
+MODES = {"strategy": strategy, "callback": callback, "loop": loop, "horovod_state": horovod_state}
+
 if __name__ == "__main__":
-    out_dir, mode = Path(sys.argv[1]), sys.argv[2]
-    if mode == "horovod_state":
-        horovod_state(out_dir)
-    elif mode == "loop":
-        loop(out_dir)
-    else:
-        fit(out_dir, mode)
+    main(MODES)

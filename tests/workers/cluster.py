@@ -1,13 +1,12 @@
-"""One process of the several-hosts tests: each host a network namespace of scripts/cluster.py, the job
-started by mpirun (through the cluster's launch agent) or `python -m tf_adasum.run -H`.
+"""The worker of tests/test_cluster.py: each host a network namespace of scripts/cluster.py, the job
+started by mpirun (through the cluster's launch agent) or `python -m tf_adasum.run -H`:
+`python -m tests.workers.cluster OUT MODE[,MODE...]` (tests/workers/dispatch.py).
 
-Usage:
-    hosts_worker.py OUT_DIR strategy   # model.fit under AdasumStrategy(), its devices left to it
-    hosts_worker.py OUT_DIR callback   # tests/script_worker.py's plain Keras scripts with AdasumCallback
-    hosts_worker.py OUT_DIR horovod    # tests/script_worker.py's Horovod example on tf_adasum.keras
-    hosts_worker.py OUT_DIR cut        # Adasum all-reduces until the test cuts a host's link
-
-Modes may be joined by commas to run one after another in one launch.
+Modes:
+    strategy   model.fit under AdasumStrategy(), its devices left to it
+    cut        Adasum all-reduces until the test cuts a host's link
+and tests/workers/existing_scripts.py's plain Keras and Horovod modes, the same functions under the same
+names (SCRIPT_MODES), for test_existing_scripts' checks to run across hosts.
 """
 
 from __future__ import annotations
@@ -20,15 +19,21 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import tensorflow as tf
 
 import tf_adasum  # under tf_adasum.run this starts the TF engine
+from tests.workers import existing_scripts
+from tests.workers.dispatch import main
 
 # How long the cut mode keeps calling before it gives up waiting for the cut.
 CUT_WAIT_SECONDS = 120.0
+# The plain Keras scripts under AdasumCallback and the Horovod scripts on tf_adasum.keras.
+SCRIPT_MODES = (
+    "callback", "mixed_precision", "orthogonality",
+    "example", "average", "accumulate", "lazy", "local_variables", "sparse", "resume_on_rank_0",
+)  # fmt: skip
 
 
 def strategy(out: Path) -> None:
@@ -77,21 +82,11 @@ def cut(out: Path) -> None:
     os._exit(3)
 
 
+MODES = {
+    "strategy": strategy,
+    "cut": cut,
+    **{name: existing_scripts.MODES[name] for name in SCRIPT_MODES},
+}
+
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    for mode in sys.argv[2].split(","):
-        if mode == "strategy":
-            strategy(out_dir)
-        elif mode == "callback":
-            from tests import script_worker
-
-            script_worker.callback(out_dir)
-        elif mode == "horovod":
-            from tests import script_worker
-
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the example's module
-            script_worker.horovod(out_dir)
-        elif mode == "cut":
-            cut(out_dir)
-        else:
-            raise SystemExit(f"hosts_worker.py: unknown mode {mode!r}")
+    main(MODES)

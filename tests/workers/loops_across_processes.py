@@ -1,18 +1,21 @@
-"""One process of the custom-loop tests across processes, under mpirun, `python -m tf_adasum.run` or
-horovodrun; every process writes what it saw into OUT_DIR.
+"""The worker of tests/test_loops_across_processes.py: custom training loops across processes, under
+mpirun, `python -m tf_adasum.run` or horovodrun:
+`python -m tests.workers.loops_across_processes OUT MODE[,MODE...]` (tests/workers/dispatch.py); every
+process writes what it saw into OUT.
 
-Usage:
-    loop_worker.py OUT_DIR MODE [MODE ...]
-    tutorial    TensorFlow's tutorial loop under AdasumStrategy (strategy.run, compute_average_loss,
-                strategy.reduce), on the linear problem, SGD with momentum and Adam
-    tape        Horovod's TF2 loop: DistributedGradientTape (Average, and Adasum of the gradients) and
-                the first-batch broadcast; and the paper's form, AdasumOptimizer.apply_gradients
-    examples    examples/tensorflow2_gradient_tape.py (every --op) and examples/custom_training_loop.py
-    ordering    20 fresh steps that all-reduce the gradients, step, and broadcast model and optimizer
-                variables in one tf.function, and 20 fresh functions of all-reduces and broadcasts with
-                no data between them: the collectives must run in program order on every rank
-    mismatch    rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise; and,
-                under MPI, a compiled tf.cond on the rank that parts them only when it runs
+Modes:
+    tutorial       TensorFlow's tutorial loop under AdasumStrategy (strategy.run, compute_average_loss,
+                   strategy.reduce), on the linear problem, SGD with momentum and Adam
+    tape           Horovod's TF2 loop: DistributedGradientTape (Average, and Adasum of the gradients) and
+                   the first-batch broadcast; and the paper's form, AdasumOptimizer.apply_gradients
+    examples       examples/tensorflow2_gradient_tape.py (every --op) and examples/custom_training_loop.py
+    engine         which engine the launcher started: its name, size, workers, horovodrun's rendezvous
+    ordering       20 fresh steps that all-reduce the gradients, step, and broadcast model and optimizer
+                   variables in one tf.function, and 20 fresh functions of all-reduces and broadcasts with
+                   no data between them: the collectives must run in program order on every rank
+    reducescatter  Horovod's reducescatter, Sum eagerly and Average compiled
+    mismatch       rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise; and,
+                   under MPI, a compiled tf.cond on the rank that parts them only when it runs
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -34,18 +35,11 @@ import tensorflow as tf
 import tf_adasum  # under tf_adasum.run and horovodrun this starts the TF engine
 import tf_adasum.keras
 import tf_adasum.tensorflow as hvd
-from tests.script_worker import (
-    BATCH,
-    FEATURES,
-    OUTPUTS,
-    ROWS_PER_RANK,
-    initial_weights,
-    make_optimizer,
-    save,
-    shard,
-)
+from tests.workers.data import BATCH, FEATURES, OUTPUTS, REPETITIONS, ROWS_PER_RANK, initial_weights, shard
+from tests.workers.dispatch import main
+from tests.workers.existing_scripts import make_optimizer, save
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 tf.get_logger().setLevel("ERROR")  # the loops make fresh tf.functions on purpose: no retracing warnings
 
 
@@ -58,6 +52,7 @@ def linear(weights: list[np.ndarray]) -> keras.Model:
 def tutorial(out: Path) -> None:
     from tests.test_custom_loops import dataset, tutorial_model, tutorial_steps
 
+    tf_adasum.init()
     for kind in ("sgd_momentum", "adam"):
         strategy = tf_adasum.AdasumStrategy()
         global_batch = 4 * strategy.num_replicas_in_sync  # the tutorial's rule: every replica of the job
@@ -84,6 +79,7 @@ def tutorial(out: Path) -> None:
 
 
 def tape(out: Path) -> None:
+    tf_adasum.init()
     x, y = shard(tf_adasum.rank())
     batches = [
         (x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
@@ -125,6 +121,7 @@ def tape(out: Path) -> None:
 
 
 def examples(out: Path) -> None:
+    tf_adasum.init()
     for script, flags in (
         ("tensorflow2_gradient_tape.py", ["--op", "adasum"]),
         ("tensorflow2_gradient_tape.py", ["--op", "average"]),
@@ -136,25 +133,25 @@ def examples(out: Path) -> None:
         started = time.monotonic()
         runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")
         save(out, f"example_{name}_", {"seconds": time.monotonic() - started})
+
+
+def engine(out: Path) -> None:
     comm = tf_adasum.init()
-    engine = {
+    info = {
         "engine": comm.engine,
         "size": comm.size,
         "rendezvous": os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"),
         "workers": getattr(comm, "workers", None),
     }
-    save(out, "examples_engine", engine)
-
-
-# Each of ordering's two loops: fresh functions that trace and run anew. Out of order, the MPI engine's
-# collectives failed in about one run of three (MPI_ERR_TRUNCATE); ten catch that in 98% of launches.
-REPETITIONS = 10
+    save(out, "engine", info)
 
 
 def ordering(out: Path) -> None:
     """The step of issue 19: all-reduced gradients, an optimizer step, and on the first batch a broadcast of
     the model's and the optimizer's variables, in one tf.function. Each repetition is a fresh function
-    with fresh variables, so each traces and runs that first step anew."""
+    with fresh variables, so each traces and runs that first step anew; then collectives with no data
+    between them. REPETITIONS of each."""
+    tf_adasum.init()
     x, y = shard(tf_adasum.rank())
     digests = []
     for repetition in range(REPETITIONS):
@@ -191,7 +188,12 @@ def ordering(out: Path) -> None:
         a = tf.fill([3], float(repetition))
         results = independent(a, tf.fill([5], float(tf_adasum.rank())))
         digests.append([float(np.sum(r.numpy(), dtype=np.float64)) for r in results])
-    # Horovod's reducescatter: rows 0..4 of the sum over ranks, split with the extra rows on lower ranks.
+    save(out, "ordering", {"digests": digests})
+
+
+def reducescatter(out: Path) -> None:
+    """Horovod's reducescatter: rows 0..4 of the sum over ranks, split with the extra rows on lower ranks."""
+    tf_adasum.init()
     rows = tf.reshape(tf.range(10, dtype=tf.float32), [5, 2]) * float(tf_adasum.rank() + 1)
     scattered = {
         "eager": tf_adasum.keras.reducescatter(rows, op=tf_adasum.keras.Sum).numpy().tolist(),
@@ -199,11 +201,11 @@ def ordering(out: Path) -> None:
         .numpy()
         .tolist(),
     }
-    save(out, "ordering", {"digests": digests, "reducescatter": scattered})
+    save(out, "reducescatter", scattered)
 
 
 def mismatch(out: Path) -> None:
-    rank = tf_adasum.rank()
+    rank = tf_adasum.init().rank
     seen = {}
     for how in ("eager", "compiled"):
 
@@ -250,10 +252,15 @@ def mismatch(out: Path) -> None:
     save(out, "mismatch", seen)
 
 
-MODES = {"tutorial": tutorial, "tape": tape, "examples": examples, "ordering": ordering, "mismatch": mismatch}
+MODES = {
+    "tutorial": tutorial,
+    "tape": tape,
+    "examples": examples,
+    "engine": engine,
+    "ordering": ordering,
+    "reducescatter": reducescatter,
+    "mismatch": mismatch,
+}
 
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    tf_adasum.init()
-    for mode in sys.argv[2:]:
-        MODES[mode](out_dir)
+    main(MODES)
