@@ -1,0 +1,128 @@
+"""The elastic launcher's services and its pool of warm processes, each on its own (tf_adasum/
+elastic_protocol.py, tf_adasum/elastic_pool.py): they answer only the job's secret, listen no wider than
+asked, and a warm process runs a script as a cold one would."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tf_adasum.elastic_pool import Pool
+from tf_adasum.elastic_protocol import SECRET_HEADER, NoticeBoard, new_secret, send_message
+
+
+def _get(board: NoticeBoard, path: str, secret: str | None) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection(*board.server_address[:2], timeout=30)
+    connection.request("GET", path, headers={SECRET_HEADER: secret} if secret is not None else {})
+    answer = connection.getresponse()
+    return answer.status, answer.read()
+
+
+@pytest.fixture
+def board(tmp_path: Path):  # type: ignore[no-untyped-def]
+    board = NoticeBoard("127.0.0.1", new_secret(), str(tmp_path / "job"))
+    threading.Thread(target=board.serve_forever, daemon=True).start()
+    yield board
+    board.shutdown()
+
+
+def test_the_notice_service_answers_the_jobs_secret_alone(board: NoticeBoard) -> None:
+    assert board.server_address[0] == "127.0.0.1", "it listens where the workers reach it, no wider"
+    assert _get(board, "/updates?generation=0", None) == (403, b"")
+    assert _get(board, "/updates?generation=0", "not the secret") == (403, b"")
+    assert _get(board, "/updates?generation=0", board.secret) == (200, b"0")
+    board.post(0)
+    status, body = _get(board, "/updates?generation=0", board.secret)
+    assert status == 200 and int(body) > 0
+    assert _get(board, "/updates?generation=1", board.secret) == (200, b"0")
+
+
+def test_the_launchers_copy_of_a_commit_is_served_once_copied_and_nothing_outside_its_folder(
+    board: NoticeBoard, tmp_path: Path
+) -> None:
+    copy = tmp_path / "job" / "group0" / "rank1-w1.pkl"
+    copy.parent.mkdir(parents=True)
+    board.copying(str(copy))
+    answers: list[tuple[int, bytes]] = []
+    asked = threading.Thread(target=lambda: answers.append(_get(board, f"/state?path={copy}", board.secret)))
+    asked.start()
+    time.sleep(0.5)
+    assert not answers, "a copy still being made is not served"
+    copy.write_bytes(b"commits")
+    board.copied(str(copy))
+    asked.join(30)
+    assert answers == [(200, b"commits")]
+    (tmp_path / "secret.txt").write_text("not the job's")
+    assert _get(board, f"/state?path={tmp_path / 'secret.txt'}", board.secret)[0] == 404
+    assert _get(board, f"/state?path={tmp_path}/job/../secret.txt", board.secret)[0] == 404
+    assert _get(board, f"/state?path={copy}", None) == (403, b"")
+
+
+CHILD = """
+import json, os, sys
+json.dump({"argv": sys.argv, "cwd": os.getcwd(), "setting": os.environ.get("A_SETTING"),
+           "warm": "tf_adasum.elastic_pool" in sys.modules, "name": __name__},
+          open(os.environ["OUT"], "w"))
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+def _wait_ready(pool: Pool, host: str, count: int) -> None:
+    deadline = time.monotonic() + 180
+    while pool.ready_on(host) < count:
+        assert time.monotonic() < deadline, "warm processes never got ready"
+        pool.reap()
+        time.sleep(0.2)
+
+
+@pytest.mark.multiprocess
+def test_a_warm_process_runs_a_script_as_a_cold_one_would(tmp_path: Path) -> None:
+    said: list[str] = []
+    pool = Pool("127.0.0.1", new_secret(), 2, "unused", dict(os.environ), said.append)
+    try:
+        pool.fill({"127.0.0.1": 2})
+        _wait_ready(pool, "127.0.0.1", 2)
+        # Anyone without the secret is shut out; the pool's processes stay as they were.
+        with socket.create_connection(pool.address.rsplit(":", 1)) as stranger:
+            send_message(stranger, {"secret": "guess", "standby": "s0"})
+            stranger.settimeout(10)
+            assert stranger.recv(1) == b""
+        assert pool.ready_on("127.0.0.1") == 2
+
+        script = tmp_path / "child.py"
+        script.write_text(CHILD)
+        standby = pool.take("127.0.0.1")
+        assert standby is not None
+        env = dict(os.environ, OUT=str(tmp_path / "out.json"), A_SETTING="given", CODE="3")
+        process = pool.assign(standby, env, [sys.executable, str(script), "first", "second"])
+        assert process.wait(60) == 3
+        seen = json.loads((tmp_path / "out.json").read_text())
+        assert seen == {
+            "argv": [str(script), "first", "second"],
+            "cwd": os.getcwd(),
+            "setting": "given",
+            "warm": True,
+            "name": "__main__",
+        }
+
+        # A warm process that dies while it waits is said and replaced.
+        waiting = pool.take("127.0.0.1")
+        assert waiting is not None
+        pool.waiting.append(waiting)
+        waiting.process.kill()
+        waiting.process.wait(30)
+        pool.reap()
+        assert any("ended while it waited" in line for line in said), said
+        pool.fill({"127.0.0.1": 2})
+        _wait_ready(pool, "127.0.0.1", 2)
+    finally:
+        pool.close()
+    assert all(s.process.poll() is not None for s in pool.waiting)
