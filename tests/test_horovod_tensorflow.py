@@ -1,7 +1,7 @@
 """tf_adasum.tensorflow's names beyond the tape loop: alltoall, the grouped and in-place collectives, the
 object collectives, Min/Max/Product, PartialDistributedGradientTape, SyncBatchNormalization and the
 queries; in a world of one here (eagerly and in tf.function), and on two real processes under each engine
-(tests/horovod_tf_worker.py), against numpy."""
+(tests/workers/horovod_tensorflow.py), against numpy."""
 
 from __future__ import annotations
 
@@ -18,16 +18,11 @@ import tensorflow as tf
 import tf_adasum.keras
 import tf_adasum.tensorflow as hvd
 from tests import processes
-from tests.horovod_tf_worker import (
-    allgather_inputs,
-    alltoall_input,
-    batch,
-    reduced_inputs,
-    scatter_inputs,
-)
 from tests.processes import log_tail
+from tests.workers.data import allgather_inputs, alltoall_input, batch, reduced_inputs, scatter_inputs
 
-WORKER = str(Path(__file__).with_name("horovod_tf_worker.py"))
+WORKER = ["-m", "tests.workers.horovod_tensorflow"]
+MODES = ("engine", "collectives", "objects", "sync_batch_norm", "partial_tape", "bad_input")
 
 # horovod.tensorflow 0.28.1's public names: dir() of the module, less the modules it imports but elastic,
 # and less its internal helpers (check_extension, check_num_rank_power_of_2, split_list, vars_to_refs,
@@ -211,7 +206,8 @@ def test_partial_tape_keeps_the_local_layers_gradients(run: Callable[..., Any]) 
 
 
 def load_results(out: Path, p: int) -> list[dict[str, Any]]:
-    return [json.loads((out / f"horovod_tf{r}.json").read_text()) for r in range(p)]
+    """Each rank's results, one entry per mode (the worker writes each mode's to its own file)."""
+    return [{m: json.loads((out / f"{m}{r}.json").read_text()) for m in MODES} for r in range(p)]
 
 
 def my_rows(total: np.ndarray, r: int, p: int) -> np.ndarray:
@@ -350,10 +346,10 @@ def check_bad_input(results: list[dict[str, Any]], p: int) -> None:
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_the_horovod_tensorflow_collectives_on_two_processes(launcher: str, tmp_path: Path) -> None:
     p = 2
-    code = processes.launch(launcher, p, tmp_path, [WORKER, str(tmp_path)])
+    code = processes.launch(launcher, p, tmp_path, [*WORKER, str(tmp_path), ",".join(MODES)])
     assert code == 0, log_tail(tmp_path)
     results = load_results(tmp_path, p)
-    assert [r["engine"] for r in results] == [launcher] * p
+    assert [r["engine"] for r in results] == [{"engine": launcher, "size": p}] * p
     check_collectives(results, p)
     check_objects(results, p)
     check_sync_batch_norm(results, p)

@@ -548,22 +548,25 @@ def test_thirty_two_replicas_run_three_epochs_and_predict_a_partial_batch(tmp_pa
     import subprocess
     import sys
 
-    out = tmp_path / "replicas.json"
-    worker = Path(__file__).with_name("replicas_worker.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "TF_ADASUM_TEST_REPLICAS": "32",
+        "TF_ADASUM_TEST_EPOCHS": "3",  # two epoch boundaries
+    }
     try:
         subprocess.run(
-            [sys.executable, str(worker), str(out), "32", "3"],  # two epoch boundaries
+            [sys.executable, "-m", "tests.workers.training_replicas", str(tmp_path), "fit_then_predict"],
             env=env,
             capture_output=True,
             timeout=240,
             check=True,
         )
     except subprocess.TimeoutExpired:
-        progress = out.with_suffix(".progress")
+        progress = tmp_path / "replicas.progress"
         done = progress.read_text() if progress.exists() else "0"
         pytest.fail(f"32 replicas stalled: {done} of 3 epochs in 240 s")
-    result = json.loads(out.read_text())
+    result = json.loads((tmp_path / "replicas.json").read_text())
     assert result["epochs"] == 3, result
     assert max(result["seconds"]) < 60, result  # the first epoch traces; none waits on tf.data threads
     assert result["predict"] == {"rows": 2160, "error": None}

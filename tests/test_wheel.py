@@ -33,7 +33,9 @@ TEST_FILES = [
     "test_ops.py",
     "test_cpu_paths.py",
     "test_gpu_build.py",
-    "wheel_worker.py",
+    "workers/__init__.py",
+    "workers/dispatch.py",
+    "workers/wheel.py",
 ]
 
 
@@ -97,8 +99,8 @@ def test_the_wheel_installs_and_runs_where_no_compiler_can_be_reached(tmp_path: 
     _run([*pip, str(wheel)], 300)
 
     tests = tmp_path / "tests"
-    tests.mkdir()
     for name in TEST_FILES:
+        (tests / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "tests" / name, tests / name)
     (tmp_path / "kernels").mkdir()  # tests/cases.py reads the dtype codes from the one header of them
     shutil.copy(ROOT / "kernels" / "adasum_dtypes.h", tmp_path / "kernels")
@@ -163,8 +165,9 @@ def test_the_wheel_installs_and_runs_where_no_compiler_can_be_reached(tmp_path: 
         "2",
         python,
         "-m",
-        "tests.wheel_worker",
+        "tests.workers.wheel",
         str(out),
+        "allreduce",
     ]
     launched = _run(_without_compilers(mpirun), 300, cwd=tmp_path, env=mpi_env)
     assert launched.stdout.count("Adasum all-reduce equals the oracle") == 2, launched.stdout

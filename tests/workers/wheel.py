@@ -1,10 +1,15 @@
-"""One process of tests/test_wheel.py's 2-process Adasum all-reduce, run under mpirun by the Python of a
-fresh venv that holds only TensorFlow, mpi4py, Open MPI, pytest and the installed wheel: the package it
-imports must be the wheel's, and the result the numpy oracle's tree, equal on both ranks."""
+"""The worker of tests/test_wheel.py, run under mpirun by the Python of a fresh venv that holds only
+TensorFlow, mpi4py, Open MPI, pytest and the installed wheel:
+`python -m tests.workers.wheel OUT MODE[,MODE...]` (tests/workers/dispatch.py). The test copies this
+file, dispatch.py and tests/workers/__init__.py beside the venv (test_wheel.TEST_FILES).
+
+Modes:
+    allreduce  a 2-process Adasum all-reduce: the package it imports must be the wheel's, and the result
+               the numpy oracle's tree, equal on both ranks (OUT/rank{r}.bin)
+"""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +17,7 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
+from tests.workers.dispatch import main
 
 SHAPES = [(1031,), (33, 7), (4,)]
 
@@ -21,7 +27,7 @@ def rank_tensors(rank: int) -> list[np.ndarray]:
     return [rng.standard_normal(shape) * (1 + rank) for shape in SHAPES]
 
 
-def main(out: Path) -> None:
+def allreduce(out: Path) -> None:
     assert "site-packages" in tf_adasum.__file__, f"tf_adasum comes from {tf_adasum.__file__}, not the wheel"
     tf_adasum.init()
     rank, size = tf_adasum.rank(), tf_adasum.size()
@@ -34,5 +40,7 @@ def main(out: Path) -> None:
     print(f"rank {rank} of {size}: Adasum all-reduce equals the oracle, cpu path {tf_adasum.ops.cpu_path()}")
 
 
+MODES = {"allreduce": allreduce}
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(MODES)

@@ -1,23 +1,29 @@
-"""One process of the horovod.tensorflow API test across processes (tests/test_horovod_tensorflow.py), under
-mpirun or `python -m tf_adasum.run`: every new collective of tf_adasum.tensorflow, eagerly and inside
-tf.function, on data that differs by rank; and bad input on one rank only. Every process writes what it
-got into OUT_DIR/horovod_tf{rank}.json; the test checks it against numpy.
+"""The worker of tests/test_horovod_tensorflow.py's test across processes, under mpirun or
+`python -m tf_adasum.run`: `python -m tests.workers.horovod_tensorflow OUT MODE[,MODE...]`
+(tests/workers/dispatch.py). Every new collective of tf_adasum.tensorflow, eagerly and inside
+tf.function, on data that differs by rank (tests/workers/data.py); and bad input on one rank only. Each
+mode writes what every process got into OUT/{mode}{rank}.json; the test checks it against numpy.
 
-Usage:
-    horovod_tf_worker.py OUT_DIR
+Modes:
+    engine           the engine the launcher started
+    collectives      Min / Max / Product all-reduces, grouped_allreduce, alltoall (with splits and even),
+                     grouped_allgather, grouped_reducescatter, broadcast_ in place, the rank and size ops
+    objects          broadcast_object, allgather_object, broadcast_object_fn, is_homogeneous
+    sync_batch_norm  SyncBatchNormalization's output, gradients and moving statistics, against Keras's
+                     BatchNormalization on the global batch
+    partial_tape     PartialDistributedGradientTape: shared layers averaged, local ones this rank's own
+    bad_input        bad input on the last rank only: every rank raises; the collectives meet afterwards
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras
 import numpy as np
@@ -25,50 +31,10 @@ import tensorflow as tf
 
 import tf_adasum  # under tf_adasum.run this starts the TF engine
 import tf_adasum.tensorflow as hvd
+from tests.workers.data import allgather_inputs, alltoall_input, batch, reduced_inputs, scatter_inputs
+from tests.workers.dispatch import main
 
 tf.get_logger().setLevel("ERROR")
-
-
-def reduced_inputs(rank: int) -> dict[str, np.ndarray]:
-    """Each rank's inputs of the Min, Max and Product all-reduces: mixed signs, several dtypes."""
-    rng = np.random.default_rng(100 + rank)
-    return {
-        "float32": rng.standard_normal((3, 4)).astype(np.float32),
-        "float64": rng.standard_normal(5) * 10.0 ** rng.integers(-30, 30, 5),
-        "float16": rng.standard_normal(6).astype(np.float16),
-        "int32": rng.integers(-50, 50, (2, 3)).astype(np.int32),
-        "int8": rng.integers(-5, 5, 7).astype(np.int8),
-        "uint64": np.array([2**63 + rank, 2**64 - 1 - 7 * rank, rank], np.uint64),
-    }
-
-
-def alltoall_input(rank: int, p: int) -> tuple[np.ndarray, list[int]]:
-    """Rank r's rows (2p + r of them, each naming its rank and row) and its splits: (r + d) % 2 + 1 rows
-    to rank d, so that rank r > 0 keeps rows it sends to nobody."""
-    rows = 2 * p + rank
-    tensor = np.stack([np.full(rows, rank), np.arange(rows)], axis=1).astype(np.float32) + 0.5
-    return tensor, [(rank + d) % 2 + 1 for d in range(p)]
-
-
-def allgather_inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank r's grouped_allgather tensors: r + 1 rows of floats, and 1 - r % 2 rows of int64 (none on
-    odd ranks)."""
-    a = np.arange((rank + 1) * 2, dtype=np.float32).reshape(rank + 1, 2) - 10.0 * rank
-    b = np.full((1 - rank % 2, 3), rank, np.int64)
-    return a, b
-
-
-def scatter_inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
-    return (
-        np.arange(10, dtype=np.float32).reshape(5, 2) * (rank + 1) - 3.0,
-        np.arange(3, dtype=np.float64) + rank,
-    )
-
-
-def batch(rank: int) -> np.ndarray:
-    """Rank r's SyncBatchNormalization batch: 3 + r rows of 3 channels, far from zero mean."""
-    rng = np.random.default_rng(300 + rank)
-    return (rng.standard_normal((3 + rank, 3)) * [1.0, 5.0, 0.1] + [4.0, -2.0, 100.0]).astype(np.float32)
 
 
 def listed(value: Any) -> Any:
@@ -272,16 +238,23 @@ def bad_input(rank: int, p: int) -> dict[str, Any]:
     return seen
 
 
+def engine(rank: int, p: int) -> dict[str, Any]:
+    return {"engine": tf_adasum.init().engine, "size": p}
+
+
+def mode(fn: Callable[[int, int], Any]) -> Callable[[Path], None]:
+    """fn(rank, size)'s result, written to OUT/{fn's name}{rank}.json."""
+
+    def run(out: Path) -> None:
+        hvd.init()
+        (out / f"{fn.__name__}{hvd.rank()}.json").write_text(json.dumps(fn(hvd.rank(), hvd.size())))
+
+    return run
+
+
+MODES = {
+    fn.__name__: mode(fn) for fn in (engine, collectives, objects, sync_batch_norm, partial_tape, bad_input)
+}
+
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
-    tf_adasum.init()
-    me, processes = hvd.rank(), hvd.size()
-    results = {
-        "engine": tf_adasum.init().engine,
-        "collectives": collectives(me, processes),
-        "objects": objects(me, processes),
-        "sync_batch_norm": sync_batch_norm(me, processes),
-        "partial_tape": partial_tape(me, processes),
-        "bad_input": bad_input(me, processes),
-    }
-    (out / f"horovod_tf{me}.json").write_text(json.dumps(results))
+    main(MODES)
