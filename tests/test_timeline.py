@@ -66,6 +66,56 @@ def test_a_file_cut_short_still_reads_and_the_ranks_merge(tmp_path: Path) -> Non
     assert count == len(merged) and {e["pid"] for e in merged if e["name"] == "agreement"} == {0, 1}
 
 
+def _event(name: str, ts_ms: float, dur_ms: float, pid: int = 0, **args: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": pid,
+        "tid": 0,
+        "ts": ts_ms * 1e3,
+        "dur": dur_ms * 1e3,
+        "args": args,
+    }
+
+
+def test_the_profile_gives_each_phases_own_time_per_call_and_the_exchanges_rate() -> None:
+    """A sync of 100 ms: a halving level of 60 (an exchange of 50 holding a wait of 40, a combine of 5)
+    and an agreement of 10. Two calls, the second twice as slow; and a second rank."""
+    events = []
+    for call, scale in ((0, 1), (1, 2)):
+        t = call * 1000.0
+        events += [
+            _event("adasum sync", t, 100 * scale, bytes=8 << 20, tensors=2),
+            _event("agreement", t + 1 * scale, 10 * scale),
+            _event("halving level 1", t + 20 * scale, 60 * scale),
+            _event("exchange", t + 20 * scale, 50 * scale, bytes_sent=5_000_000),
+            _event("wait", t + 25 * scale, 40 * scale),
+            _event("combine", t + 72 * scale, 5 * scale),
+        ]
+    events.append(_event("adasum sync", 0, 7, pid=1, bytes=8 << 20, tensors=2))
+    events.append({"name": "adasum sync", "ph": "i", "pid": 0, "ts": 0})  # a marked cycle: not a call
+    rows = timeline.profile(events)
+    assert [(r["rank"], r["calls"]) for r in rows] == [(0, 2), (1, 1)]
+    row = rows[0]
+    assert (row["sync"], row["bytes"], row["tensors"], row["ms"]) == ("adasum sync", 8 << 20, 2, 150.0)
+    assert row["phases"] == pytest.approx(
+        {
+            "wait": 60,
+            "agreement": 15,
+            "exchange": 15,
+            "halving level 1": 7.5,
+            "combine": 7.5,
+            "(not in a phase)": 45,
+        }
+    )
+    assert next(iter(row["phases"])) == "wait"  # the longest first
+    assert row["bytes_sent"] == 5_000_000
+    assert row["exchange_mb_s"] == pytest.approx(5 / 0.075)
+    text = timeline.format_profile(rows)
+    assert "rank 0: 2 x adasum sync of 8.00 MiB in 2 tensor(s): 150.0 ms a call" in text
+    assert "     60.0 ms   40.0%  wait" in text
+
+
 def test_a_phase_is_a_named_event_in_tensorflows_profiler_trace(tmp_path: Path) -> None:
     tf.profiler.experimental.start(str(tmp_path))
     try:

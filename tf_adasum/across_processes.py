@@ -54,7 +54,11 @@ def adasum(
         return list(tensors)
     if tf.executing_eagerly():  # a compiled sync is marked where it is called, or in its host call
         timeline.mark_cycle("adasum sync", tensors=len(tensors))
-    with timeline.ops_phase("adasum sync", tensors=len(tensors)):
+    # The bytes only for a timeline being written: off, the phase stays one check.
+    nbytes = (
+        sum(int(t.shape.num_elements() or 0) * t.dtype.size for t in tensors) if timeline.active() else None
+    )
+    with timeline.ops_phase("adasum sync", tensors=len(tensors), bytes=nbytes):
         return _adasum(comm, tensors, names, metadata, first)
 
 
@@ -156,7 +160,7 @@ def _host_graph(
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         timeline.mark_cycle("adasum sync", tensors=len(tensors))
-        with timeline.phase("adasum sync", tensors=len(tensors)):
+        with timeline.phase("adasum sync", tensors=len(tensors), bytes=sum(a.nbytes for a in arrays)):
             buffers, norms, in_place, first = [], [], [], 0
             for index, (sizes, starts, pads) in zip(indices, layouts, strict=True):
                 sources = arrays[first : first + len(index)]

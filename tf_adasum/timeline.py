@@ -214,6 +214,90 @@ def merge(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str]) 
     return len(events)
 
 
+SYNCS = ("adasum sync", "adasum sync (compiled)")
+
+
+def profile(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where each rank's syncs spent their time: one row per rank and kind of sync (its name, bytes and
+    tensors), with `calls`, the median `ms` of a call, and `phases`: each phase's own time in a call
+    (its time less that of the phases inside it; median over the calls), in ms. An exchange's own time
+    is what it took beyond its waits; `bytes_sent` per call and `exchange_mb_s`, the bytes sent over
+    the time from the exchanges' start to their end, waits included."""
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for event in events:
+        if event.get("ph") == "X":
+            by_thread.setdefault((event["pid"], event.get("tid")), []).append(event)
+    calls: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for (pid, _), thread in by_thread.items():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (event, the call it counts towards)
+        for event in thread:
+            while stack and event["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                stack.pop()
+            call = stack[-1][1] if stack else None
+            if event["name"] in SYNCS and call is None:
+                args = event.get("args", {})
+                call = {"ms": event["dur"] / 1e3, "own": {}, "bytes_sent": 0, "exchange_ms": 0.0}
+                key = (pid, event["name"], args.get("bytes"), args.get("tensors"))
+                calls.setdefault(key, []).append(call)
+            if call is not None:
+                own = call["own"]
+                own[event["name"]] = own.get(event["name"], 0.0) + event["dur"] / 1e3
+                if stack and stack[-1][1] is call:
+                    parent = stack[-1][0]["name"]
+                    own[parent] = own.get(parent, 0.0) - event["dur"] / 1e3
+                if event["name"] in ("exchange", "allgather"):
+                    call["bytes_sent"] += int(event.get("args", {}).get("bytes_sent", 0))
+                    call["exchange_ms"] += event["dur"] / 1e3
+            stack.append((event, call))
+    rows = []
+    for (pid, name, nbytes, tensors), found in sorted(calls.items(), key=lambda kv: repr(kv[0])):
+        phases = {
+            n: _median([c["own"].get(n, 0.0) for c in found]) for n in {n for c in found for n in c["own"]}
+        }
+        exchange_ms = _median([c["exchange_ms"] for c in found])
+        sent = _median([c["bytes_sent"] for c in found])
+        rows.append(
+            {
+                "rank": pid,
+                "sync": name,
+                "bytes": nbytes,
+                "tensors": tensors,
+                "calls": len(found),
+                "ms": _median([c["ms"] for c in found]),
+                "phases": dict(
+                    sorted(((n, ms) for n, ms in phases.items() if n not in SYNCS), key=lambda p: -p[1])
+                )
+                | {"(not in a phase)": phases[name]},
+                "bytes_sent": sent,
+                "exchange_mb_s": sent / 1e6 / (exchange_ms / 1e3) if exchange_ms else None,
+            }
+        )
+    return rows
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def format_profile(rows: Sequence[dict[str, Any]]) -> str:
+    """profile()'s rows as text: a block per rank and kind of sync, its phases by time."""
+    lines = []
+    for row in rows:
+        size = f"{row['bytes'] / 2**20:.2f} MiB" if row["bytes"] else "?"
+        speed = f", exchanges at {row['exchange_mb_s']:.0f} MB/s" if row["exchange_mb_s"] else ""
+        lines.append(
+            f"rank {row['rank']}: {row['calls']} x {row['sync']} of {size} in {row['tensors']} tensor(s): "
+            f"{row['ms']:.1f} ms a call, {row['bytes_sent'] / 2**20:.2f} MiB sent{speed}"
+        )
+        for name, ms in row["phases"].items():
+            if ms >= 0.05:
+                lines.append(f"    {ms:9.1f} ms  {100 * ms / row['ms']:5.1f}%  {name}")
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def recording(path: str | os.PathLike[str], rank: int = 0, size: int = 1) -> Iterator[str]:
     """A timeline on for the `with` block; yields the file it writes."""
@@ -224,9 +308,17 @@ def recording(path: str | os.PathLike[str], rank: int = 0, size: int = 1) -> Ite
         stop()
 
 
+USAGE = """usage: python -m tf_adasum.timeline merge OUT IN [IN ...]   join the ranks' files into OUT
+       python -m tf_adasum.timeline profile IN [IN ...]      where each rank's syncs spent their time
+"""
+
+
 def main(argv: Sequence[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "profile":
+        print(format_profile(profile([e for path in argv[1:] for e in read(path)])))
+        return 0
     if len(argv) < 3 or argv[0] != "merge":
-        sys.stderr.write("usage: python -m tf_adasum.timeline merge OUT IN [IN ...]\n")
+        sys.stderr.write(USAGE)
         return 2
     count = merge(argv[2:], argv[1])
     print(f"{argv[1]}: {count} events from {len(argv) - 2} file(s)")
