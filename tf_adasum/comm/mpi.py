@@ -19,9 +19,12 @@ from tf_adasum import _compat, timeline
 from tf_adasum.comm.base import HostCommunicator
 from tf_adasum.errors import PeerError, timeout_seconds
 
-# Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange progresses only
-# as fast as it is polled: poll without sleeping (yielding the core, for oversubscribed ranks) for
-# this long, then sleep between polls while waiting out a slow or dead peer.
+# Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange with a rank on this
+# host progresses only as fast as it is polled: poll without sleeping (yielding the core, for
+# oversubscribed ranks) for this long, then sleep between polls while waiting out a slow or dead peer.
+# With a rank on another host, the kernel moves the bytes between polls, into socket buffers that a poll
+# drains whole; spinning there takes the cores from the kernel's network processing, and halved the
+# bandwidth of 4 processes on 2 cores (benchmarks/README.md, across hosts): such a wait sleeps at once.
 _SPIN_SECONDS = 2.0
 _POLL_SLEEP_SECONDS = 1e-3
 
@@ -47,6 +50,12 @@ class MPICommunicator(HostCommunicator):
         # the averaging of logs, may be issued before it on one rank and after it on another.
         self._adasum = MPI.COMM_WORLD.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        # The ranks on this host (of this communicator): waits on them alone spin (_poll).
+        self._here = frozenset(
+            MPI.Group.Translate_ranks(
+                local.Get_group(), list(range(local.Get_size())), self._comm.Get_group()
+            )
+        )
         cross = self._comm.Split(color=local.Get_rank(), key=self._comm.Get_rank())
         super().__init__(
             self._comm.Get_rank(),
@@ -86,13 +95,21 @@ class MPICommunicator(HostCommunicator):
                 self._groups[key] = self._comm.Create_group(world.Incl(list(key)))
         world.Free()
 
-    def _poll(self, done: Callable[[], bool], what: str, missing: Callable[[], str]) -> None:
-        """Calls done() until it is true; after TF_ADASUM_TIMEOUT_SECONDS, raises naming missing()."""
+    def _poll(
+        self,
+        done: Callable[[], bool],
+        what: str,
+        missing: Callable[[], str],
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        """Calls done() until it is true; after TF_ADASUM_TIMEOUT_SECONDS, raises naming missing().
+        It spins first only where every rank it waits on (`ranks`; None: all) is on this host."""
         start = time.monotonic()
         deadline = start + timeout_seconds()
+        spin = _SPIN_SECONDS if self._on_this_host(ranks) else 0.0
         while not done():
             now = time.monotonic()
-            if now - start < _SPIN_SECONDS:
+            if now - start < spin:
                 os.sched_yield()
             elif now > deadline:
                 raise PeerError(
@@ -103,9 +120,12 @@ class MPICommunicator(HostCommunicator):
             else:
                 time.sleep(_POLL_SLEEP_SECONDS)
 
-    def _wait(self, requests: list[Any], what: str, peers: str) -> None:
+    def _on_this_host(self, ranks: Sequence[int] | None) -> bool:
+        return self.local_size == self.size if ranks is None else all(r in self._here for r in ranks)
+
+    def _wait(self, requests: list[Any], what: str, peers: str, ranks: Sequence[int] | None = None) -> None:
         with timeline.phase("wait", on=peers):
-            self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers)
+            self._poll(lambda: self._mpi.Request.Testall(requests), what, lambda: peers, ranks)
 
     def host_call(
         self,
@@ -162,7 +182,7 @@ class MPICommunicator(HostCommunicator):
                 self._comm.Irecv(self._bytes(recv), source=peer, tag=7),
                 self._comm.Isend(self._bytes(send), dest=peer, tag=7),
             ]
-            self._wait(requests, what, f"rank {peer}")
+            self._wait(requests, what, f"rank {peer}", [peer])
 
     def sendrecv_host(self, peer: int, send: np.ndarray, recv: np.ndarray, what: str) -> None:
         self._sendrecv(peer, send, recv, what)
@@ -181,7 +201,7 @@ class MPICommunicator(HostCommunicator):
         self.bytes_sent += values.nbytes
         with timeline.phase("block sum", what=what, ranks=list(key), bytes=values.nbytes):
             self._wait(
-                [self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}"
+                [self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}", key
             )
         return out
 
