@@ -15,12 +15,14 @@ from tests import oracle, processes
 from tests.processes import log_tail
 from tests.workers.data import (
     DEVICE_CASES,
+    LANE_SHAPES,
     LOCAL,
     PROCESS_WRITES,
     REPLICA_COUNTS,
     RESUMED,
     SHAPES,
     STEPS,
+    lane_tensors,
     local_counts,
     rank_tensors,
     replica_tensors,
@@ -123,6 +125,25 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
             "but shape [4, 5] and dtype float32 on rank 0"
         )
     assert sorted(info["local_rank"] for info in collectives) == list(range(p))
+
+
+def test_large_exchanges_in_lanes_give_the_tree_and_the_same_bits_everywhere(tmp_path: Path) -> None:
+    """The TF engine sends an exchange of 2 MiB or more as several collectives in lanes of their own
+    (TFCollectiveCommunicator.LANES), which run at once. Through a fold, a halving level, a gather and the
+    result to the folded rank (3 processes, VHDD), and one exchange of unequal sizes."""
+    code = launch("tf", 3, tmp_path, "lanes", {"TF_ADASUM_ALGORITHM": "vhdd"})
+    assert code == 0, log_tail(tmp_path)
+    results = [dict(np.load(tmp_path / f"lanes{r}.npz")) for r in range(3)]
+    want = oracle.tree([lane_tensors(r) for r in range(3)])
+    for i, w in enumerate(want):
+        got = results[0][f"eager_{i}"]
+        rtol = {"float32": 1e-5, "bfloat16": 4e-2}[LANE_SHAPES[i][1]]
+        np.testing.assert_allclose(got.astype(np.float64), w, rtol=rtol, atol=rtol * np.max(np.abs(w)))
+        for r in range(3):
+            np.testing.assert_array_equal(results[r][f"eager_{i}"], got)
+            np.testing.assert_array_equal(results[r][f"function_{i}"], got)
+    np.testing.assert_array_equal(results[0]["exchanged"], lane_tensors(1)[0][:524289])
+    np.testing.assert_array_equal(results[1]["exchanged"], lane_tensors(0)[0])
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])

@@ -35,6 +35,19 @@ def rank_tensors(rank: int) -> list[np.ndarray]:
     ]
 
 
+# Exchanges of at least 2 MiB go in lanes under the TF engine (TFCollectiveCommunicator.LANES): a float32
+# tensor of 3 MiB and a word, and a bfloat16 one whose parts split unevenly.
+LANE_SHAPES = [((786433,), "float32"), ((1200007,), "bfloat16")]
+
+
+def lane_tensors(rank: int) -> list[np.ndarray]:
+    """Rank `rank`'s tensors of LANE_SHAPES."""
+    rng = np.random.default_rng(200 + rank)
+    return [
+        (rng.standard_normal(s) * (rank + 1)).astype(tf.as_dtype(d).as_numpy_dtype) for s, d in LANE_SHAPES
+    ]
+
+
 def local_counts(case: str, size: int) -> list[int]:
     """How many replicas each process holds in the allreduce_replicas checks."""
     return {"two": [2] * size, "three": [3] * size, "uneven": [1 + q % 3 for q in range(size)]}[case]

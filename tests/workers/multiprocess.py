@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
-from tests.workers.data import PROCESS_WRITES, rank_tensors, replica_tensors, saved
+from tests.workers.data import PROCESS_WRITES, lane_tensors, rank_tensors, replica_tensors, saved
 from tests.workers.dispatch import main
 from tf_adasum import agreement
 
@@ -85,6 +85,22 @@ def collectives(out: Path) -> None:
         "local_rank": comm.local_rank,
     }
     (out / f"collectives{rank}.json").write_text(json.dumps(info))
+
+
+def lanes(out: Path) -> None:
+    comm = tf_adasum.init()
+    tensors = [tf.constant(x) for x in lane_tensors(comm.rank)]
+    results = {f"eager_{i}": saved(t) for i, t in enumerate(tf_adasum.allreduce(tensors))}
+    in_graph = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    results |= {f"function_{i}": saved(t) for i, t in enumerate(in_graph(tensors))}
+    # One exchange, eagerly, of unequal sizes: 3 MiB sent, the peer's first 2 MiB + 1 received.
+    peer = comm.rank ^ 1
+    if peer < comm.size:
+        mine = tf.constant(lane_tensors(comm.rank)[0])
+        size = 524289 if comm.rank < peer else 786433
+        got = comm.exchange(peer, mine[: 786433 if comm.rank < peer else 524289], size, "lane check")
+        results["exchanged"] = got.numpy()
+    np.savez(out / f"lanes{comm.rank}.npz", **results)
 
 
 def refusals(out: Path) -> None:
@@ -418,6 +434,7 @@ def resume(out: Path) -> None:
 
 
 MODES = {
+    "lanes": lanes,
     "collectives": collectives,
     "refusals": refusals,
     "dead": dead,
