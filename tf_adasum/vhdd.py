@@ -295,7 +295,13 @@ def gather_host(
 
 
 ALGORITHMS = ("vhdd", "gather")
+# The all-gather at most this much in all (its memory and arithmetic grow with P).
 GATHER_BELOW_BYTES = 4 << 20
+# What one collective of the TF engine costs beyond its bytes (its launch, the group's resolution): the
+# latency term of benchmarks/cost_model.py's model, ~1 ms on loopback and on the namespace cluster.
+COLLECTIVE_SECONDS = 1e-3
+# The link the choice assumes, in Gbit/s, unless $TF_ADASUM_LINK_GBITS says what it is.
+LINK_GBITS = 10.0
 
 
 class Algorithm(NamedTuple):
@@ -325,8 +331,36 @@ def algorithm(comm: Communicator, nbytes: int) -> Algorithm:
     if isinstance(comm, HostCommunicator):
         # On host memory VHDD measured as fast at 1 MB and faster above (benchmarks/README.md).
         return _ALGORITHMS["vhdd"]
-    # The TF engine pays ~1 ms a collective: below this, latency rules and one all-gather wins.
-    return _ALGORITHMS["gather" if nbytes * (comm.size - 1) <= GATHER_BELOW_BYTES else "vhdd"]
+    return _ALGORITHMS["gather" if gather_is_faster(comm.size, nbytes, link_gbits()) else "vhdd"]
+
+
+def link_gbits() -> float:
+    """The link speed the choice of algorithm assumes: $TF_ADASUM_LINK_GBITS, else LINK_GBITS."""
+    given = os.environ.get("TF_ADASUM_LINK_GBITS", "")
+    try:
+        gbits = float(given) if given else LINK_GBITS
+    except ValueError:
+        gbits = -1.0
+    if not gbits > 0:
+        raise ValueError(f"TF_ADASUM_LINK_GBITS={given!r}; expected the link's speed in Gbit/s, such as 10")
+    return gbits
+
+
+def gather_is_faster(p: int, nbytes: int, gbits: float) -> bool:
+    """Whether one all-gather beats VHDD for nbytes on p ranks of the TF engine, over a link of `gbits`.
+
+    The all-gather sends (p - 1) N per rank in one collective; VHDD sends the bound 2 N (p - 1) / p in
+    2 log2 p2 exchanges and log2 p2 block sums, 2 more exchanges for a fold. The all-gather wins where
+    the time of its extra bytes on the link is less than the latency of the collectives it saves, and
+    while it stays small (GATHER_BELOW_BYTES). At p = 2 the bytes are the same.
+    """
+    if nbytes * (p - 1) > GATHER_BELOW_BYTES:
+        return False
+    p2, r = fold_size(p)
+    levels = p2.bit_length() - 1
+    collectives = 3 * levels + (2 if r else 0)
+    extra_bytes = nbytes * (p - 1) * (1 - 2 / p)
+    return extra_bytes * 8 / (gbits * 1e9) <= (collectives - 1) * COLLECTIVE_SECONDS
 
 
 def host_threads(comm: Communicator) -> int:
