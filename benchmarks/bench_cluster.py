@@ -9,17 +9,26 @@ Usage (as root; makes its own cluster of network namespaces, "bench", with scrip
 
 For each link rate (--rates: tc rates, "none" for unshaped) and layout (--layouts HxS: H hosts, S
 processes on each), on one cluster of max(H) hosts whose every link is reshaped per rate:
-    goodput    one TCP stream from host 0 to host 1 for 2 s: the link's measured rate (Mbit/s)
+    goodput    one TCP stream from host 0 to host 1 for 2 s: the link's measured rate (Mbit/s); and
+               every host's stream at once, in pairs (2i <-> 2i+1, a VHDD level) and in a ring, for 3 s
+               (goodput_pairs_mbit, goodput_ring_mbit: whether the shared cores keep up)
     allreduce  benchmarks/cluster_worker.py under each engine (--engines mpi tf): Adasum eager and
                compiled against the engine's own sum all-reduce in the same job, for one tensor of
                each --megabytes (also --small-megabytes where P = 4) and the ResNet-50 list, and the
                bytes each host's eth0 sent per call against 2 N (P - 1) / P
+    exchange   the same worker with --exchanges (TF engine, layouts of an even number of processes):
+               one exchange between ranks r and r ^ 1 of half of each --megabytes, compiled, in 1, 2
+               and 4 lanes: what TensorFlow's collective runtime makes of the wire
     horovod    the same worker with --horovod: Horovod's Adasum (MPI) in its own mpirun job, right
                after tf_adasum's (Horovod's background thread slows other MPI traffic in its process)
     fit        benchmarks/bench_fit.py --processes (TF engine): AdasumStrategy's fit step against
                MultiWorkerMirroredStrategy's, in the same job
     local      benchmarks/bench_allreduce.py --devices-per-process 2 (first layout with one process per
                host): the strategy's sync with local_reduction "adasum" and "mean" against the sum
+
+Jobs get TF_ADASUM_LINK_GBITS, the measured goodput, as a user of such a cluster would set it (the TF
+engine's choice of algorithm weighs it). --timeline writes each all-reduce job's Timeline and adds its
+profile (python -m tf_adasum.timeline profile) as "profile" rows: each rank's phases per kind of sync.
 
 Every row goes to stdout and to OUT/results.jsonl as a JSON line with the rate, the layout and the
 measured goodput; OUT/table.md holds the tables and OUT/time_vs_rate.png the plot of time against the
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import cluster  # noqa: E402
+
+from tf_adasum import timeline  # noqa: E402
 
 NAME = "bench"
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
@@ -117,15 +129,51 @@ def goodput(c: cluster.Cluster, seconds: float = 2.0) -> float:
     return round(float(out.strip()), 0)
 
 
+def goodput_together(c: cluster.Cluster, hosts: int, pattern: str, seconds: float = 3.0) -> list[float]:
+    """Mbit/s of each TCP stream when `hosts` hosts send at once: "pairs", host 2i and 2i+1 to each
+    other (a VHDD level's exchanges); "ring", host i to host i+1 (a ring's step). On one machine every
+    veth and the bridge share its cores, so several streams at once may each get less than one alone.
+    """
+    flows = (
+        [(i, i ^ 1) for i in range(hosts - hosts % 2)]
+        if pattern == "pairs"
+        else [(i, (i + 1) % hosts) for i in range(hosts)]
+    )
+    receivers = [
+        c.popen(
+            b,
+            ["python3", "-c", GOODPUT_RECEIVER, c.addresses[b], str(PORT + a)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for a, b in flows
+    ]
+    senders = [
+        c.popen(a, ["python3", "-c", GOODPUT_SENDER, c.addresses[b], str(PORT + a), str(seconds)])
+        for a, b in flows
+    ]
+    for sender in senders:
+        sender.wait(timeout=60)
+    return [round(float(r.communicate(timeout=30)[0].strip()), 0) for r in receivers]
+
+
 def run_job(
-    c: cluster.Cluster, layout: str, engine: str, script: str, args: list[str], timeout: int
+    c: cluster.Cluster,
+    layout: str,
+    engine: str,
+    script: str,
+    args: list[str],
+    timeout: int,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One job on `layout` under `engine`; its rank 0's JSON rows, its wall time and bytes per host."""
+    """One job on `layout` under `engine` (with `extra` in its environment); its rank 0's JSON rows,
+    its wall time and bytes per host."""
+    env = ENV | (extra or {})
     hosts, slots = parse_layout(layout)
     np_ = hosts * slots
     path = str(ROOT / "benchmarks" / script)
     if engine == "mpi":
-        exports = [x for k, v in ENV.items() if k.startswith("TF_") for x in ("-x", f"{k}={v}")]
+        exports = [x for k, v in env.items() if k.startswith("TF_") for x in ("-x", f"{k}={v}")]
         line = [MPIRUN, "--prtemca", "plm_ssh_agent", AGENT, "--host", host_list(c, layout), "-np", str(np_)]
         line = c.command(0, [*line, "--mca", "btl", "tcp,self,sm", *exports, PYTHON, path, *args])
     else:
@@ -137,7 +185,7 @@ def run_job(
         done = subprocess.run(
             line,
             cwd=ROOT,
-            env=os.environ | ENV,
+            env=os.environ | env,
             capture_output=True,
             text=True,
             timeout=timeout + 30,
@@ -184,6 +232,8 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
             shaped = None if rate == "none" else rate
             c.shape(shaped, delay=args.delay)
             link = {"rate": rate, "applied": dict(c.applied), "goodput_mbit": goodput(c)}
+            for pattern in ("pairs", "ring"):
+                link[f"goodput_{pattern}_mbit"] = goodput_together(c, size, pattern)
             emit(out, {"part": "link", **link})
             for layout in layouts:
                 hosts, slots = parse_layout(layout)
@@ -195,6 +245,11 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                 jobs: list[tuple[str, str, str, list[str]]] = []
                 if "allreduce" in args.parts:
                     jobs += [("allreduce", e, "cluster_worker.py", common) for e in args.engines]
+                if "exchange" in args.parts and "tf" in args.engines and p % 2 == 0:
+                    exchange = ["--exchanges", "--megabytes", *map(str, args.megabytes)]
+                    jobs.append(
+                        ("exchange", "tf", "cluster_worker.py", [*exchange, "--repeats", str(args.repeats)])
+                    )
                 if "horovod" in args.parts and p & (p - 1) == 0:
                     jobs.append(("horovod", "mpi", "cluster_worker.py", [*common, "--horovod"]))
                 if "fit" in args.parts:
@@ -217,7 +272,19 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                             )
                         )
                 for part, engine, script, job_args in jobs:
-                    result = run_job(c, layout, engine, script, job_args, args.timeout)
+                    # The link the TF engine's choice of algorithm weighs (vhdd.gather_is_faster), as a
+                    # user of such a cluster would give it: the measured goodput.
+                    extra = {"TF_ADASUM_LINK_GBITS": f"{link['goodput_mbit'] / 1000:.2f}"}
+                    trace = None
+                    if args.timeline and part == "allreduce":
+                        trace = out / "timeline" / f"{rate}-{layout}-{engine}" / "trace.json"
+                        shutil.rmtree(trace.parent, ignore_errors=True)
+                        extra["TF_ADASUM_TIMELINE"] = str(trace)
+                    result = run_job(c, layout, engine, script, job_args, args.timeout, extra)
+                    if trace is not None:
+                        events = [e for path in trace.parent.glob("*.json") for e in timeline.read(path)]
+                        for profiled in timeline.profile(events):
+                            emit(out, {"part": "profile", **cell, "job_engine": engine, **profiled})
                     meta = {"part": part, **cell, "job_engine": engine, "job_seconds": result["seconds"]}
                     meta["job_host_mb"] = result["job_host_mb"]
                     if result["rc"] != 0 or not result["rows"]:
@@ -415,7 +482,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--parts", nargs="+", default=["allreduce", "horovod", "fit", "local"],
-        choices=["allreduce", "horovod", "fit", "local"],
+        choices=["allreduce", "exchange", "horovod", "fit", "local"],
     )  # fmt: skip
     parser.add_argument("--engines", nargs="+", default=["mpi", "tf"], choices=["mpi", "tf"])
     parser.add_argument("--megabytes", type=int, nargs="*", default=[16, 64])
@@ -428,6 +495,13 @@ def main() -> None:
         "--delay", default="100us", help="asked of tc; applied only where the kernel has netem"
     )
     parser.add_argument("--timeout", type=int, default=420, help="seconds per job")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="write each all-reduce job's Timeline (OUT/timeline/RATE-LAYOUT-ENGINE/) and add its profile "
+        "(python -m tf_adasum.timeline profile) to the rows: where each rank's syncs spent their time. "
+        "Timing with it on adds the writing; time without it",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cluster_output")
     parser.add_argument(
         "--append", action="store_true", help="add to OUT/results.jsonl instead of starting it anew"

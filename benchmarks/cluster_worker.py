@@ -95,7 +95,16 @@ def main() -> None:
         action="store_true",
         help="also Horovod's eager per-tensor calls on the ResNet-50 list (161 rounds: ~6.5 s at 1 Gbit/s)",
     )
+    parser.add_argument(
+        "--exchanges",
+        action="store_true",
+        help="instead: the TF engine's exchange alone, between ranks r and r ^ 1, of half of each "
+        "--megabytes (VHDD's first level), compiled, in 1, 2 and 4 lanes",
+    )
     args = parser.parse_args()
+    if args.exchanges:
+        exchanges(args)
+        return
     cases: list[tuple[str, list[tuple[int, ...]]]] = [
         (f"single_{mb}MB", [(mb * 2**18,)]) for mb in args.megabytes
     ]
@@ -170,6 +179,31 @@ def main() -> None:
         row["bound_mb"] = round(2 * (size - 1) / size * nbytes / 2**20, 2)
         row["host_bound_mb"] = round(2 * (hosts - 1) / hosts * nbytes / 2**20, 2)
         if rank == 0:
+            print(json.dumps(row), flush=True)
+
+
+def exchanges(args: argparse.Namespace) -> None:
+    """Rows "exchange_<MB>MB": exchange_ms[lanes] of one pair exchange of MB / 2 each way, compiled."""
+    import bench_allreduce
+
+    import tf_adasum
+
+    bench_allreduce.tf_adasum = tf_adasum
+    comm = tf_adasum.init()
+    if comm.engine != "tf":
+        raise SystemExit("--exchanges times the TF engine's exchange; run it under tf_adasum.run")
+    _, barrier = bench_allreduce.engine_sum(comm, [tf.zeros([1])])
+    peer = comm.rank ^ 1
+    for mb in args.megabytes:
+        half = tf.constant(np.random.default_rng(comm.rank).standard_normal(mb * 2**17).astype(np.float32))
+        row: dict[str, Any] = {"case": f"exchange_{mb}MB", "engine": "tf", "ranks": comm.size}
+        row["megabytes_each_way"] = mb / 2
+        for lanes in (1, 2, 4):
+            comm.LANES = lanes  # this instance's lanes; its class's tokens cover up to 4
+            fn = tf.function(lambda x: comm.exchange(peer, x, int(x.shape[0]), "exchange benchmark"))
+            ms = median_ms(lambda f=fn, x=half: np.asarray(f(x)), args.repeats, before=barrier, warmup=WARMUP)
+            row[f"lanes{lanes}_ms"] = round(ms, 2)
+        if comm.rank == 0:
             print(json.dumps(row), flush=True)
 
 
