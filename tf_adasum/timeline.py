@@ -230,7 +230,7 @@ def profile(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     calls: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for (pid, _), thread in by_thread.items():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (event, the call it counts towards)
+        stack: list[tuple[dict[str, Any], dict[str, Any] | None]] = []  # (event, the call it counts towards)
         for event in thread:
             while stack and event["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
                 stack.pop()
