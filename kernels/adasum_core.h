@@ -30,7 +30,7 @@ ADASUM_HOST_DEVICE inline void AdasumCoefficients(double dot, double a_sq, doubl
   *cb = b_sq >= kZeroNormGuard ? 1.0 - dot / (2.0 * b_sq) : 1.0;
 }
 
-// float16 and bfloat16 are combined in float32, as docs/design.md says, while both coefficients are at
+// float16 and bfloat16 are combined in float32, as docs/contract.md says, while both coefficients are at
 // most this large in magnitude: products then stay far inside float32's range. Larger coefficients
 // (bfloat16 inputs at scales 1e-20 and 1e20 give 1e39) are combined in float64 and rounded once.
 constexpr double kFloat32CombineLimit = 4294967296.0;  // 2^32

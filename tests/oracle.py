@@ -1,4 +1,4 @@
-"""Numpy float64 oracles written from the formulas in docs/design.md, independent of the package."""
+"""Numpy float64 oracles written from the formulas in docs/contract.md, independent of the package."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def adasum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, float]:
 
 
 def tree(per_replica: list[list[np.ndarray]]) -> list[np.ndarray]:
-    """The contract tree of docs/design.md over P replicas, per tensor, in float64."""
+    """The contract tree of docs/contract.md over P replicas, per tensor, in float64."""
     values = [[np.asarray(t, np.float64) for t in replica] for replica in per_replica]
     p = len(values)
     p2 = 1 << (p.bit_length() - 1)

@@ -154,3 +154,23 @@ def test_other_hosts_are_started_through_the_agent_with_the_environment(
             "TF_ADASUM_LAUNCHER": "1",
         }
     assert not (tmp_path / "localhost").exists()
+
+
+def test_a_modules_own_flags_after_m_go_to_the_module(tmp_path: Path) -> None:
+    """`-m module --flag value` passes --flag to the module, as python -m does; --timeout here is the
+    module's, not the launcher's."""
+    (tmp_path / "flags_child.py").write_text(
+        "import json, os, sys\n"
+        "index = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "open(os.path.join(os.environ['OUT'], f'argv{index}'), 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(tmp_path))
+    command = [sys.executable, "-m", "tf_adasum.run", "-np", "2", "-m", "flags_child", "--timeout", "3", "-x"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    for index in range(2):
+        assert json.loads((tmp_path / f"argv{index}").read_text()) == ["--timeout", "3", "-x"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.run", "-np", "2", "-m"], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "-m needs a module to run" in refused.stderr, refused.stderr

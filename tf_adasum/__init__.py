@@ -1,8 +1,9 @@
 """tf_adasum: Adasum (adaptive summation) for TensorFlow 2 and Keras 3.
 
 This is the public face, and the one place where importing tf_adasum changes Keras: the
-install_* calls below (each hook is described in _compat.py). AdasumStrategy also turns tf.data
-autotuning off on per-device prefetch datasets when it is created (_compat.quiet_per_device_iterators).
+install_* calls below (each hook is described beside its check, in the _compat package). AdasumStrategy
+also turns tf.data autotuning off on per-device prefetch datasets when it is created
+(_compat.quiet_per_device_iterators).
 
 `python -m tf_adasum.run`, the launcher, imports this package before it runs and needs none of it:
 there nothing below the check is imported, TensorFlow included (5 s of CPU per launch here).

@@ -122,9 +122,7 @@ def main() -> None:
         default=DEFAULT_AGENT,
         help=f"starts a process on another host: AGENT HOST COMMAND ({DEFAULT_AGENT!r})",
     )
-    elastic = parser.add_argument_group(
-        "elastic training (see tf_adasum/elastic_launcher.py and the README's Elastic training)"
-    )
+    elastic = parser.add_argument_group("elastic training (see docs/elastic.md)")
     elastic.add_argument("--elastic", action="store_true", help="go on when workers are lost or added")
     elastic.add_argument(
         "--min-np", type=int, default=None, help="the fewest workers to go on with (default -np)"
@@ -158,12 +156,21 @@ def main() -> None:
         default=None,
         help="a folder for every rank's stdout and stderr: DIR/rank.<r>/stdout and stderr (horovodrun's)",
     )
-    parser.add_argument("-m", dest="module", default=None, help="run a module, as python -m MODULE does")
+    # -m takes the rest of the line, as python's does: the module's own flags are not the launcher's.
     parser.add_argument(
-        "script", nargs="?", default=None, help="the script (or, with -m, its first argument)"
+        "-m",
+        dest="module",
+        nargs=argparse.REMAINDER,
+        default=None,
+        help="run a module, as python -m MODULE does",
     )
+    parser.add_argument("script", nargs="?", default=None, help="the script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.module is not None:
+        if not args.module:
+            parser.error("-m needs a module to run")
+        args.module, args.script, args.args = args.module[0], None, args.module[1:]
     if args.module is None and args.script is None:
         parser.error("give the script to run, or -m MODULE")
     program = ["-m", args.module] if args.module else []

@@ -234,10 +234,11 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
     def num_replicas_in_sync(self) -> int:
         """Every replica of every process, as MultiWorkerMirroredStrategy counts them.
 
-        Keras's loss scaling, tf.nn.compute_average_loss and a script's global batch size (per-replica
-        batch times this) then mean the job's global batch; AdasumOptimizer multiplies the gradients
-        back by the same number, so each local step is the step a single worker would take on its
-        replica's batch. Each process still splits its share over its own devices.
+        tf.nn.compute_average_loss and a script's global batch size (per-replica batch times this) then
+        mean the job's global batch. Each local step is still the step a single worker would take on its
+        replica's batch: in Keras's train step of an Adasum model the losses are not scaled by this
+        number, and in a custom loop AdasumOptimizer multiplies the gradients back by it
+        (loss_scaling.gradient_factor). Each process still splits its share over its own devices.
         """
         return sum(self.replica_counts)
 

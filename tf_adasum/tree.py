@@ -1,4 +1,4 @@
-"""The replica tree of docs/design.md, the numeric contract: its shape, and computed in one process.
+"""The replica tree of docs/contract.md, the numeric contract: its shape, and computed in one process.
 
 Per tensor, over P replicas v_0 ... v_{P-1} (any P >= 1):
 

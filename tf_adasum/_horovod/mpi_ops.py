@@ -388,7 +388,7 @@ def broadcast_(
 
 
 def join() -> tf.Tensor:
-    """Not supported: tf_adasum refuses uneven data instead of joining (see the README's Failures)."""
+    """Not supported: tf_adasum refuses uneven data instead of joining (see docs/failures.md)."""
     raise NotImplementedError(
         "hvd.join() is not supported by tf_adasum: a rank that ran out of data would have to keep "
         "contributing to every collective, which Adasum cannot do honestly. Give every rank the same "
