@@ -5,6 +5,7 @@ variable is committed, so a survivor keeps its own optimizer state.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import keras
@@ -129,6 +130,8 @@ class CommitStateCallback(keras.callbacks.Callback):
         self._remaining = self.batches_per_commit
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if _SKIPPED.get(self.model, False):  # a batch a resume drops is no step: nothing to commit
+            return
         self._remaining -= 1
         if self._remaining == 0:
             self.state.commit()
@@ -160,8 +163,12 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
             _skip_batches(self.model, self._resume_at)
             self._resume_at = 0
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        _SKIPPED[self.model] = False  # the train function says otherwise for a batch it drops
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.state.batch = batch + 1
+        if not _SKIPPED.get(self.model, False):  # a dropped batch leaves the count at the resume's
+            self.state.batch = batch + 1
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.state.batch = 0
@@ -190,6 +197,12 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
         self.state.epoch = (self._offset or 0) + epoch + 1
 
 
+# Whether the model's last train-function call dropped its batches (a resume's skip): Keras calls the
+# batch callbacks for those calls too, and they must neither count nor commit them. Set for each batch
+# by UpdateBatchStateCallback.on_train_batch_begin and the skipping train function.
+_SKIPPED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
 def _skip_batches(model: keras.Model, count: int) -> None:
     """The next `count` batches of fit are read and dropped: model.train_function consumes them
     without a step (steps_per_execution batches per call), then is Keras's again."""
@@ -203,6 +216,7 @@ def _skip_batches(model: keras.Model, count: int) -> None:
             return train_function(iterator)
         for _ in range(min(per_call, left[0])):
             next(iterator)
+        _SKIPPED[model] = True
         left[0] -= per_call
         if left[0] <= 0:
             model.train_function = train_function
