@@ -86,4 +86,5 @@ def start(
     assert process.stdin is not None
     process.stdin.write(remote_environment(env))
     process.stdin.close()
+    process.stdin = None  # written and closed: communicate() must not flush it
     return process
