@@ -237,6 +237,9 @@ def recovery(events: list[dict[str, Any]], groups: dict[int, dict[str, Any]]) ->
                 "resumed_at": after["resumed_at"],
                 "steps_redone": max(0, trigger[0]["step"] - after["resumed_at"]) if trigger is kills else 0,
                 "total_s": total,
+                # The time no step ran: from the kill, or from the first rank's leaving at the commit
+                # after a growth notice (the group trains while the launcher readies warm processes).
+                "stall_s": total if trigger is kills else max(after["first_step"]) - min(before["leave"]),
                 "cold_start_s": cold_total,
                 "ratio_to_cold_start": total / cold_total,
                 **{f"{k}_s": v for k, v in parts.items()},
@@ -309,9 +312,9 @@ def results_table(summary: list[dict[str, Any]]) -> str:
 def recovery_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no membership change measured)"
-    skip = ("total_s", "cold_start_s")
+    skip = ("total_s", "stall_s", "cold_start_s")
     lines = [
-        f"{'run':<17} {'change':<7} {'at':>5} {'resumed':>7} {'redone':>6} {'total s':>7} "
+        f"{'run':<17} {'change':<7} {'at':>5} {'resumed':>7} {'redone':>6} {'total s':>7} {'stall s':>7} "
         f"{'x cold':>6}  parts (s)"
     ]
     for r in rows:
@@ -319,10 +322,11 @@ def recovery_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['run']:<17} {r['change']:<7} {r['trigger_step']:>5} {r['resumed_at']:>7} "
             f"{r['steps_redone']:>6} "
-            f"{r['total_s']:>7.1f} {r['ratio_to_cold_start']:>6.2f}  {detail}"
+            f"{r['total_s']:>7.1f} {r['stall_s']:>7.1f} {r['ratio_to_cold_start']:>6.2f}  {detail}"
         )
     lines.append(
-        "(x cold: the total against the job's own first start, launcher line to first step, same run)"
+        "(x cold: the total against the job's own first start, launcher line to first step, same run; "
+        "stall: the time no step ran, from the kill or from the leave at the commit after a growth notice)"
     )
     return "\n".join(lines)
 
@@ -674,8 +678,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="N = 3 -> 2 -> 3, one short run, ~1 min")
     args = parser.parse_args()
     if args.smoke:
-        args.np, args.kill, args.steps, args.kill_step, args.grow_step = 3, 1, 240, 25, 60
-        args.eval_every, args.train_examples, args.phase_steps, args.job_timeout = 20, 4000, 100, 240
+        args.np, args.kill, args.steps, args.kill_step, args.grow_step = 3, 1, 2000, 25, 60
+        args.eval_every, args.train_examples, args.phase_steps, args.job_timeout = 100, 4000, 100, 240
         if args.runs == list(RUNS):
             args.runs = ["adasum_failures"]
         args.out = args.out.with_name(args.out.name + "_smoke")

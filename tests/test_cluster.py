@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -241,11 +242,16 @@ def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path)
     """`tf_adasum.run --elastic` on host 0 of three: the discovery script lists two hosts, then rank 0
     adds the third (the job grows onto it at the next commit), then the third host's worker is killed
     (the job goes on with the first two). Remote workers start through the agent; each writes its
-    commits on its own host."""
+    commits on its own host. Every process comes from the launcher's pool of warm processes. A secret in
+    the environment reaches every process and no process's command line. The second host's process of
+    the last group finds its host's commits gone and resumes from the launcher's copy; and a new job
+    resumes from the launcher's copies alone, the hosts' own files deleted, to the same weights."""
     require_cluster()
     from tests.test_elastic import WORKER as ELASTIC_WORKER
     from tests.test_elastic import assert_same_on_every_rank, read, weights
 
+    marker = f"tf-adasum-test-secret-{os.getpid()}-{time.time_ns()}"
+    seen: list[str] = []
     with cluster.Cluster(hosts=3, name="tfae", rate="1gbit") as hosts:
         a = hosts.addresses
         slots = tmp_path / "slots"
@@ -259,7 +265,12 @@ def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path)
             TF_CPP_MIN_LOG_LEVEL="3",
             TF_ADASUM_TIMEOUT_SECONDS="15",
             TF_ADASUM_CLUSTER=hosts.name,
-            FAULT="0:0:2:grow,1:2:3:kill",
+            # Batches counted from each group's start: the growth waits for warm processes on the new
+            # host (the group trains meanwhile), and the kill comes after the pool's refill began.
+            FAULT="0:0:2:grow,1:2:40:kill,2:1:0:lostdisk",
+            FAULT_BATCHES="relative",
+            EPOCHS="16",
+            FORWARDED_SECRET=marker,
             SLOTS_FILE=str(slots),
             GROW_TO=f"{a[0]}:1,{a[1]}:1,{a[2]}:1",
             SLOW_BATCH="0.4",
@@ -269,18 +280,66 @@ def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path)
             [
                 sys.executable, "-m", "tf_adasum.run", "--elastic",
                 "-np", "2", "--min-np", "2", "--max-np", "3",
-                "--host-discovery-script", str(discovery), "--agent", processes.AGENT, "--timeout", "220",
+                "--host-discovery-script", str(discovery), "--agent", processes.AGENT, "--timeout", "300",
                 "--state-dir", str(tmp_path / "state"), *ELASTIC_WORKER, str(tmp_path), "strategy",
             ],
         )  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
-    log = done.stdout + done.stderr
-    (tmp_path / "output.log").write_text(log)
-    assert done.returncode == 0, log[-6000:]
+        watching = threading.Event()
+        watcher = threading.Thread(target=watch_command_lines, args=(marker, seen, watching), daemon=True)
+        watcher.start()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=330, check=False)
+        watching.set()
+        watcher.join(10)
+        log = done.stdout + done.stderr
+        (tmp_path / "output.log").write_text(log)
+        assert done.returncode == 0, log[-6000:]
+
+        # The hosts' own copies of the last commits are lost; the launcher's copies are enough.
+        final = weights(tmp_path, 2)
+        for own in (tmp_path / "state" / "group1").iterdir():
+            own.unlink()
+        again = tmp_path / "again"
+        again.mkdir()
+        command = hosts.command(
+            0,
+            [
+                sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", "2", "-H", f"{a[0]}:1,{a[1]}:1",
+                "--agent", processes.AGENT, "--timeout", "150", "--state-dir", str(again / "state"),
+                "--resume-from", str(tmp_path / "state" / "job" / "group1"), *ELASTIC_WORKER, str(again),
+                "strategy",
+            ],
+        )  # fmt: skip
+        env.pop("FAULT")
+        resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, check=False)
+        (again / "output.log").write_text(resumed.stdout + resumed.stderr)
+        assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-6000:]
     assert "group 1: 3 process(es)" in log and "group 2: 2 process(es)" in log, log[-6000:]
     assert f"rank 2 (w2@{a[2]}) lost: killed by SIGKILL" in log, log[-6000:]
     grown = read(tmp_path, "resumed-group1", 3)
     assert [r["host"] for r in grown] == hosts.hostnames, grown
-    final = read(tmp_path, "final", 2)
-    assert [(f["group"], f["size"], f["host"]) for f in final] == [(2, 2, h) for h in hosts.hostnames[:2]]
-    assert_same_on_every_rank(weights(tmp_path, 2))
+    final_records = read(tmp_path, "final", 2)
+    assert [(f["group"], f["size"], f["host"]) for f in final_records] == [
+        (2, 2, h) for h in hosts.hostnames[:2]
+    ]
+    assert_same_on_every_rank(final)
+    for group, size in ((0, 2), (1, 3), (2, 2)):
+        records = read(tmp_path, f"resumed-group{group}", size)
+        assert [(r["warm"], r["forwarded"]) for r in records] == [(True, True)] * size, records
+    assert not seen, f"the secret was on a command line: {seen}"
+    assert "resumed from the launcher's copy" in log, log[-6000:]
+    # The new job: its ranks on the first two hosts, each from its launcher's copy, to the same weights.
+    assert [r["host"] for r in read(again, "resumed-group0", 2)] == hosts.hostnames[:2]
+    for a_weight, b_weight in zip(final[0], weights(again, 2)[0], strict=True):
+        np.testing.assert_array_equal(a_weight, b_weight)
+
+
+def watch_command_lines(marker: str, seen: list[str], done: threading.Event) -> None:
+    """Reads every process's command line until `done`, noting any that holds `marker`."""
+    while not done.wait(0.1):
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in text:
+                seen.append(text)

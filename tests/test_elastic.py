@@ -97,6 +97,15 @@ def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp
     assert code == 0, tail(log)
     assert "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL" in log, tail(log)
     assert "group 1: 2 process(es)" in log and "group 2" not in log, tail(log)
+    # Every process of both groups came from the launcher's pool of warm processes.
+    assert "group 1: 2 process(es) from the pool, 0 started cold" in log, tail(log)
+    for group, size in ((0, 3), (1, 2)):
+        assert [r["warm"] for r in read(tmp_path / "elastic", f"resumed-group{group}", size)] == [True] * size
+    # The survivors knew within a second: each wrote its commits as it left, that soon after the kill
+    # (in a GradientTape loop this took 6-32 s once, issue 42).
+    killed = json.loads((tmp_path / "elastic" / "killed-group0-rank2.json").read_text())["time"]
+    left = [f.stat().st_mtime - killed for f in (tmp_path / "elastic" / "state" / "group0").iterdir()]
+    assert len(left) == 2 and max(left) < 1.0, left
     final = read(tmp_path / "elastic", "final", 2)
     assert [(f["group"], f["size"], f["epoch"], f["batch"]) for f in final] == [(1, 2, 2, 0)] * 2
     found = weights(tmp_path / "elastic", 2)
@@ -126,9 +135,15 @@ def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp
 def test_a_hanging_worker_is_lost_after_the_timeout(tmp_path: Path) -> None:
     """SIGSTOP: the others' collectives time out (TF_ADASUM_TIMEOUT_SECONDS), they leave, and the
     launcher kills the stopped process as hung; the job finishes with two."""
-    code, log, seconds = launch(tmp_path, "strategy", 3, "--min-np", "2", env={"FAULT": "0:1:2:stop"})
+    code, log, seconds = launch(
+        tmp_path, "strategy", 3, "--min-np", "2", "--standbys", "1", env={"FAULT": "0:1:2:stop"}
+    )
     assert code == 0, tail(log)
     assert "rank 1 (w1@127.0.0.1) lost: hung" in log, tail(log)
+    # One warm process waits (--standbys 1): the second member of the next group starts cold, said so.
+    assert "group 1: 1 process(es) from the pool, 1 started cold" in log, tail(log)
+    assert re.search(r"no warm process on 127\.0\.0\.1 for w\d: it starts cold", log), tail(log)
+    assert sorted(r["warm"] for r in read(tmp_path, "resumed-group1", 2)) == [False, True]
     # The survivors' own error names the hung rank (the runtime's heartbeats, or the collective's timeout).
     assert re.search(
         r"PeerError: rank [02]: (lost rank 1 |.*with rank\(s\) \[1\] failed within 15 s)", log
@@ -158,13 +173,23 @@ def test_a_peer_lost_before_the_training_function_keeps_the_commits(tmp_path: Pa
     """Group 1's rank 1 fails as it starts; rank 0 loses it in the script's own first collective, before
     `run`: it still passes its commits on, and group 2 resumes from them, not from the start."""
     code, log, _ = launch(
-        tmp_path, "strategy", 3, "--min-np", "1", env={"FAULT": "0:1:3:kill,1:1:0:start", "PRELUDE": "1"}
+        tmp_path,
+        "strategy",
+        3,
+        "--min-np",
+        "1",
+        "--standbys",
+        "0",
+        env={"FAULT": "0:1:3:kill,1:1:0:start", "PRELUDE": "1"},
     )
     assert code == 0, tail(log)
+    # --standbys 0: no pool, every process starts cold.
+    assert "from the pool" not in log and "starts cold" not in log, tail(log)
     assert "lost a peer before its training started" in log, tail(log)
     assert "group 2: 1 process(es): rank 0 w0@127.0.0.1 (resumes)" in log, tail(log)
     (group2,) = read(tmp_path, "resumed-group2", 1)
     assert group2["commit"] >= 3 and (group2["epoch"], group2["batch"]) != (0, 0), group2
+    assert not group2["warm"]
 
 
 @pytest.mark.multiprocess
@@ -209,19 +234,114 @@ def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> N
         "3",
         "--host-discovery-script",
         str(discovery),
-        env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.6"},
-    )
+        env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.6", "EPOCHS": "8"},
+    )  # long enough for the launcher to ready 3 warm processes (the group trains meanwhile)
     assert code == 0, tail(log)
     assert "more slots reported; the group grows at its next commit" in log, tail(log)
     assert "group 1: 3 process(es)" in log, tail(log)
+    # The new member, too, came from the pool.
+    assert "group 1: 3 process(es) from the pool, 0 started cold" in log, tail(log)
     resumed = read(tmp_path, "resumed-group1", 3)
+    assert [r["warm"] for r in resumed] == [True] * 3
     assert len({(r["epoch"], r["batch"], r["commit"]) for r in resumed}) == 1
     assert resumed[0]["batch"] > 2 or resumed[0]["epoch"] > 0
     # The new process took rank 0's optimizer state; the survivors kept their own.
     assert resumed[2]["optimizer"] == resumed[0]["optimizer"] != resumed[1]["optimizer"]
     final = read(tmp_path, "final", 3)
-    assert {(f["group"], f["size"], f["epoch"]) for f in final} == {(1, 3, 2)}
+    assert {(f["group"], f["size"], f["epoch"]) for f in final} == {(1, 3, 8)}
     assert_same_on_every_rank(weights(tmp_path, 3))
+
+
+def churn_trace(changes: int) -> tuple[list[str], list[str], list[int]]:
+    """For `changes` membership changes of a job of 3 (--min-np 2): the change of each group, a loss in
+    every even group, by turns a host that leaves the list, a death inside a commit and a death at the
+    group's very first batch (a change right after the last); a return in every odd group, the host
+    listed again. Every loss delists its host (rank 0 writes the smaller list as the group starts, where
+    the dying process does not), so the list alternates between 3 and 2 slots and each answer differs
+    from the last, which frees the lost slot. Returns the changes, every FAULT entry, and the groups'
+    sizes."""
+    changes_made, entries, sizes = [], [], [3]
+    for group in range(changes):
+        if group % 2 == 0:
+            change = [f"{group}:2:2:leave2", f"{group}:1:2:commit", f"{group}:2:0:killfirst"][group // 2 % 3]
+            if not change.endswith("leave2"):
+                entries.append(f"{group}:0:0:slots2")
+            sizes.append(2)
+        else:
+            change = f"{group}:0:1:slots3"
+            sizes.append(3)
+        changes_made.append(change)
+        entries.append(change)
+    return changes_made, entries, sizes
+
+
+@pytest.mark.multiprocess
+def test_a_job_survives_a_churn_of_losses_and_returns_losing_only_the_steps_since_each_commit(
+    tmp_path: Path,
+) -> None:
+    """A trace of changes (TF_ADASUM_TEST_CHURN of them, 6 here; run it with 20 by hand): each group resumes
+    from its predecessors' newest common commit, so nothing but the steps since it is lost, and the last
+    group's weights equal a new job's that resumes from the same commits with the same membership."""
+    changes = int(os.environ.get("TF_ADASUM_TEST_CHURN", "6"))
+    faults, entries, sizes = churn_trace(changes)
+    slots = tmp_path / "slots"
+    slots.write_text("127.0.0.1:3\n")
+    discovery = tmp_path / "discover.sh"
+    discovery.write_text(f"#!/bin/sh\ncat {slots}\n")
+    discovery.chmod(0o755)
+    env = {
+        "FAULT": ",".join(entries),
+        "SLOTS_FILE": str(slots),
+        "SLOW_BATCH": "0.5",
+        "FAULT_BATCHES": "relative",
+        # Each return waits for warm processes for the whole group (~25 s here), while the group trains.
+        "EPOCHS": str(4 + 6 * (changes // 2)),
+    }
+    code, log, _ = launch(
+        tmp_path / "churn", "strategy", 3, "--min-np", "2", "--max-np", "3",
+        "--host-discovery-script", str(discovery), env=env,
+    )  # fmt: skip
+    assert code == 0, tail(log)
+    formed = [int(n) for n in re.findall(r"group \d+: (\d+) process\(es\): ", log)]
+    assert formed == sizes, (formed, tail(log))
+    for group in range(1, len(sizes)):
+        resumed = read(tmp_path / "churn", f"resumed-group{group}", sizes[group])
+        assert len({(r["epoch"], r["batch"], r["commit"]) for r in resumed}) == 1, resumed
+        # The launcher's copies of the commits the last group's survivors left with: the group resumed
+        # from the newest that every survivor held.
+        copies = sorted((tmp_path / "churn" / "state" / "job" / f"group{group - 1}").glob("*.pkl"))
+        newest = []
+        for copy in copies:
+            with open(copy, "rb") as f:
+                newest.append(max(pickle.load(f)))
+        assert resumed[0]["commit"] == min(newest), (group, resumed[0], newest)
+        # A loss costs the steps since the last commit alone: killed inside the commit after its group's
+        # batch b (b counted from the group's start; the commit never completed), a process leaves the
+        # next group to resume b batches after this one did.
+        _, _, b, kind = faults[group - 1].split(":")
+        before = read(tmp_path / "churn", f"resumed-group{group - 1}", sizes[group - 1])[0]
+        step, step_before = (
+            8 * resumed[0]["epoch"] + resumed[0]["batch"],
+            8 * before["epoch"] + before["batch"],
+        )
+        if kind == "commit":
+            assert step == step_before + int(b), (group, before, resumed[0])
+        elif kind.startswith("leave"):  # killed 50 ms into batch b: in its step, or after its commit
+            assert step in (step_before + int(b), step_before + int(b) + 1), (group, before, resumed[0])
+        elif kind == "killfirst":
+            assert step == step_before, (group, before, resumed[0])
+        else:  # a return: the group grows at a commit after the host is listed again
+            assert step > step_before, (group, before, resumed[0])
+    final = weights(tmp_path / "churn", sizes[-1])
+    assert_same_on_every_rank(final)
+
+    last = tmp_path / "churn" / "state" / "job" / f"group{len(sizes) - 2}"
+    code, log, _ = launch(
+        tmp_path / "replay", "strategy", sizes[-1], "--resume-from", str(last), env={"EPOCHS": env["EPOCHS"]}
+    )
+    assert code == 0, tail(log)
+    for a, b in zip(final[0], weights(tmp_path / "replay", sizes[-1])[0], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.multiprocess
@@ -345,25 +465,33 @@ def test_the_run_wrapper_outside_the_launcher_raises_a_lost_peer() -> None:
 
 
 def test_a_resumed_fit_skips_the_batches_done() -> None:
-    """state.batch = 3: the fit trains on batches 3.. of the epoch only, as a fit of those rows does."""
+    """state.batch = 3: the fit trains on batches 3.. of the epoch only, as a fit of those rows does; the
+    dropped batches neither move state.batch back nor commit (a commit there held the weights of batch 3
+    under the count of batch 1: a loss then resumed at the wrong batch, which the churn test found)."""
     x = np.random.default_rng(0).standard_normal((32, 3)).astype(np.float32)
     y = np.random.default_rng(1).standard_normal((32, 2)).astype(np.float32)
     resumed = _model()
     state = elastic.KerasState(resumed, epoch=0, batch=3)
-    seen = []
+    seen, counts, committed = [], [], []
+    state.commit = lambda: committed.append((int(state.epoch), int(state.batch)))  # type: ignore[method-assign]
 
     class Batches(keras.callbacks.Callback):
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
             seen.append(batch)
+            counts.append(int(state.batch))
 
     resumed.fit(
         x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
         callbacks=[
-            elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state), Batches()
+            elastic.UpdateEpochStateCallback(state), elastic.UpdateBatchStateCallback(state),
+            elastic.CommitStateCallback(state, batches_per_commit=1), Batches(),
         ],
     )  # fmt: skip
     assert (state.epoch, state.batch) == (2, 0)
     assert seen == list(range(8)) * 2  # Keras's numbering stays the epoch's
+    assert counts == [3, 3, 3, 4, 5, 6, 7, 8] + list(range(1, 9))
+    # A commit after every batch trained (5 then 8) and at each epoch's end, none for a dropped batch.
+    assert committed == [(0, b) for b in range(4, 9)] + [(1, 0)] + [(1, b) for b in range(1, 9)] + [(2, 0)]
     reference = _model()
     elastic.KerasState(reference)
     reference.fit(x[12:], y[12:], batch_size=4, epochs=1, shuffle=False, verbose=0)

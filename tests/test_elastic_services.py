@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 
 from tf_adasum.elastic_pool import Pool
-from tf_adasum.elastic_protocol import SECRET_HEADER, NoticeBoard, new_secret, send_message
+from tf_adasum.elastic_protocol import (
+    ENV_DRIVER,
+    ENV_GENERATION,
+    ENV_SECRET,
+    SECRET_HEADER,
+    NoticeBoard,
+    new_secret,
+    send_message,
+    watch_for_end,
+)
 
 
 def _get(board: NoticeBoard, path: str, secret: str | None) -> tuple[int, bytes]:
@@ -43,6 +52,39 @@ def test_the_notice_service_answers_the_jobs_secret_alone(board: NoticeBoard) ->
     status, body = _get(board, "/updates?generation=0", board.secret)
     assert status == 200 and int(body) > 0
     assert _get(board, "/updates?generation=1", board.secret) == (200, b"0")
+
+
+def test_a_groups_end_is_held_until_it_comes_then_told_to_each_of_its_processes(
+    board: NoticeBoard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _get(board, "/ended?generation=0", None) == (403, b"")
+    monkeypatch.setenv(ENV_DRIVER, "{}:{}".format(*board.server_address[:2]))
+    monkeypatch.setenv(ENV_SECRET, board.secret)
+    monkeypatch.setenv(ENV_GENERATION, "1")
+    told: list[tuple[str, float]] = []
+    watch_for_end(lambda reason: told.append((reason, time.monotonic())))
+    held = threading.Thread(
+        target=lambda: told.append((_get(board, "/ended?generation=1", board.secret)[1].decode(), 0))
+    )
+    held.start()
+    time.sleep(1.0)
+    assert not told, "nothing is told before the group ends"
+    board.end(0, "an earlier group's end")  # told to that group's processes alone
+    time.sleep(0.5)
+    assert not told
+    ended = time.monotonic()
+    board.end(1, "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL")
+    board.end(1, "rank 0 (w0@127.0.0.1) restart")  # the first reason stays
+    held.join(10)
+    deadline = time.monotonic() + 10
+    while len(told) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(reason for reason, _ in told) == ["rank 2 (w2@127.0.0.1) lost: killed by SIGKILL"] * 2
+    assert max(at for _, at in told) - ended < 1.0, "the watcher hears at once, not at its next poll"
+    assert _get(board, "/ended?generation=1", board.secret) == (
+        200,
+        b"rank 2 (w2@127.0.0.1) lost: killed by SIGKILL",
+    )
 
 
 def test_the_launchers_copy_of_a_commit_is_served_once_copied_and_nothing_outside_its_folder(

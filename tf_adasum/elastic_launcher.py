@@ -38,7 +38,7 @@ from typing import Any
 
 from tf_adasum import elastic_policy as policy
 from tf_adasum.elastic_policy import parse_slots
-from tf_adasum.elastic_pool import Pool, Standby
+from tf_adasum.elastic_pool import ENV_STANDBY, Pool, Standby
 from tf_adasum.elastic_protocol import NoticeBoard, new_secret, peer_timeout_seconds, process_environment
 from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, start
 from tf_adasum.launch_output import Output
@@ -49,6 +49,9 @@ WARM_WAIT_SECONDS = 120.0
 # The pool is refilled this long after a group starts, so that the imports of the new warm processes do
 # not slow the group's own start on the same cores.
 REFILL_DELAY_SECONDS = 10.0
+# Growth waits this long at most for warm processes for every member of the larger group before the
+# notice goes out; the group trains meanwhile, and a growth that cannot wait starts processes cold.
+GROW_WARM_SECONDS = 60.0
 
 
 class ElasticError(RuntimeError):
@@ -192,6 +195,7 @@ class ElasticJob:
         self.pool = Pool(self.address, self.secret, standbys, agent, self.env, _say) if standbys > 0 else None
         self.blocked: collections.Counter[str] = collections.Counter()
         self.last_answer: dict[str, int] | None = None
+        self.most_slots: collections.Counter[str] = collections.Counter()
         self.deadline: float | None = None
 
     def close(self) -> None:
@@ -205,7 +209,14 @@ class ElasticJob:
         if self.discovery.script and self.last_answer is not None and answer != self.last_answer:
             self.blocked.clear()
         self.last_answer = answer
+        for host, count in answer.items():
+            self.most_slots[host] = max(self.most_slots[host], count)
         return answer
+
+    def pool_target(self) -> dict[str, int]:
+        """The slots the pool keeps warm processes for: each listed host's most slots so far, so that a
+        host whose slots come back finds its processes warm."""
+        return {host: self.most_slots[host] for host in self.last_answer or {}}
 
     def more_slots(self, in_use: int) -> bool:
         # At max_np nothing is asked: the answer then stays the one the group formed with, and a change
@@ -220,18 +231,23 @@ class ElasticJob:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         survivors: list[Worker] = []
         if resume_from:
+            self.notices.serve(resume_from)
             files = sorted(
                 (f for f in os.listdir(resume_from) if f.endswith(".pkl")),
                 key=lambda f: int(f.split("-")[0][4:]),
             )
+            # The commits are here, on the launcher's host, whatever hosts wrote them: the processes that
+            # resume from them take the first slots in order, and one on another host, which lacks the
+            # file, is served the launcher's copy (elastic_protocol.fetch_state).
+            slots = [host for host, count in self.answer().items() for _ in range(count)] or ["127.0.0.1"]
             survivors = [
                 Worker(
                     id=f.split("-", 1)[1][:-4],
-                    host="127.0.0.1",
-                    resume_file=os.path.join(resume_from, f),
-                    resume_copy=os.path.join(resume_from, f),
+                    host=slots[i % len(slots)],
+                    resume_file=os.path.abspath(os.path.join(resume_from, f)),
+                    resume_copy=os.path.abspath(os.path.join(resume_from, f)),
                 )
-                for f in files
+                for i, f in enumerate(files)
             ]
         lost: list[Worker] = []
         next_id, group, resets = 0, 0, 0
@@ -360,18 +376,34 @@ class ElasticJob:
         threading.Thread(target=run, daemon=True).start()
         return copy
 
-    def start_member(self, worker: Worker, env: dict[str, str], warm_until: float) -> None:
+    def warm_for_growth(self, members: list[Worker]) -> bool:
+        """Whether the pool holds a ready process for every member of the larger group (all its members
+        restart); if not, it starts what is missing. True without a pool."""
+        if self.pool is None:
+            return True
+        answer = self.last_answer or {}
+        bigger = policy.choose_members(answer, self.blocked, [w.host for w in members], self.max_np)
+        need = collections.Counter([members[i].host for i in bigger.kept] + bigger.new_hosts)
+        if all(self.pool.ready_on(host) >= count for host, count in need.items()):
+            return True
+        self.pool.fill(dict.fromkeys(need, 0), besides=need)  # the refill's processes count among these
+        return False
+
+    def start_member(self, worker: Worker, env: dict[str, str], warm_until: float) -> bool:
         """Starts a member's process: a warm one from the pool where the host has one (waiting, if need
-        be, for one still importing), else a cold one, said so."""
+        be, for one still importing), else a cold one, said so. Returns whether it was warm; a warm
+        one finds its standby's id in its environment (ENV_STANDBY)."""
         standby: Standby | None = None
         if self.pool is not None:
             standby = self.pool.take_when_ready(worker.host, warm_until)
             if standby is None:
                 _say(f"no warm process on {worker.host} for {worker.id}: it starts cold")
         if standby is not None:
-            worker.proc = self.pool.assign(standby, env, self.command)  # type: ignore[union-attr]
-        else:
-            worker.proc = start(worker.host, self.command, env, self.agent)
+            assert self.pool is not None
+            worker.proc = self.pool.assign(standby, {**env, ENV_STANDBY: standby.id}, self.command)
+            return True
+        worker.proc = start(worker.host, self.command, env, self.agent)
+        return False
 
     def run_group(self, group: int, members: list[Worker]) -> int | None:
         """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
@@ -388,6 +420,7 @@ class ElasticJob:
         )
         output = Output(os.path.join(self.output_filename, f"group{group}") if self.output_filename else None)
         warm_until = time.monotonic() + WARM_WAIT_SECONDS
+        warm = 0
         for rank, w in enumerate(members):
             w.rank, w.outcome, w.code, w.proc = rank, None, None, None
             w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
@@ -400,8 +433,10 @@ class ElasticJob:
                     group, w.state_file, w.resume_file, w.resume_copy, self.driver, self.secret
                 )
             )
-            self.start_member(w, env, warm_until)
+            warm += self.start_member(w, env, warm_until)
             output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
+        if self.pool is not None:
+            _say(f"group {group}: {warm} process(es) from the pool, {len(members) - warm} started cold")
         started = time.monotonic()
         refilled = self.pool is None
 
@@ -414,6 +449,7 @@ class ElasticJob:
 
         first_exit: float | None = None
         last_alone: float | None = None
+        grow_seen: float | None = None  # when more slots were first seen
         next_discovery = time.monotonic() + DISCOVERY_SECONDS
         try:
             while True:
@@ -424,6 +460,9 @@ class ElasticJob:
                         w.outcome = policy.process_outcome(w.code)
                         if w.code != 0 and first_exit is None:
                             first_exit = now
+                            # The others may wait on a peer that lives but is leaving too: end their
+                            # collectives now, rather than when TensorFlow notices (seconds, issue 42).
+                            self.notices.end(group, f"rank {w.rank} ({w.id}@{w.host}) {w.outcome}")
                 if all(w.outcome is not None for w in members):
                     return None
                 running = [w for w in members if w.outcome is None]
@@ -448,14 +487,16 @@ class ElasticJob:
                         and not self.notices.posted(group)
                         and self.more_slots(len(members))
                     ):
-                        self.notices.post(group)
-                        _say(f"group {group}: more slots reported; the group grows at its next commit")
+                        grow_seen = grow_seen or now
+                        if self.warm_for_growth(members) or now > grow_seen + GROW_WARM_SECONDS:
+                            self.notices.post(group)
+                            _say(f"group {group}: more slots reported; the group grows at its next commit")
                     if self.pool is not None:
                         self.pool.reap()
                         if not refilled and now > started + REFILL_DELAY_SECONDS:
                             refilled = True
                         if refilled and self.last_answer:
-                            self.pool.fill(self.last_answer)
+                            self.pool.fill(self.pool_target())
                 time.sleep(0.05)
         except KeyboardInterrupt:
             for w in members:

@@ -20,10 +20,12 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 # What the elastic launcher tells each process.
@@ -45,6 +47,9 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 
 # How often rank 0 asks the launcher whether slots were added.
 POLL_SECONDS = 1.0
+
+# How long the launcher holds a process's request for the end of its group before it answers "not yet".
+ENDED_WAIT_SECONDS = 30.0
 
 
 def peer_timeout_seconds() -> float:
@@ -90,7 +95,10 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
     SECRET_HEADER header; any other request gets 403 and nothing):
 
     - GET /updates?generation=G: the group's latest notice of added slots (0: none); post(G) posts one;
-    - GET /state?path=P: the launcher's copy of a process's commits, P under `root`, once copied
+    - GET /ended?generation=G: held until group G ends (end(G, reason): one of its processes exited
+      with an error or to leave), then the reason; after ENDED_WAIT_SECONDS, an empty answer;
+    - GET /state?path=P: the launcher's copy of a process's commits, P under `root` (or a folder given
+      to serve()), once copied
       (copying(P) announces a copy, copied(P) ends it): how a process whose host lost its own file
       resumes.
     """
@@ -100,9 +108,34 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
     def __init__(self, address: str, secret: str, root: str) -> None:
         self.notice: dict[int, int] = {}
         self.secret = secret
-        self.root = os.path.realpath(root)
+        self.roots = [os.path.realpath(root)]
         self.copies: dict[str, threading.Event] = {}
+        self.ends: dict[int, threading.Event] = {}
+        self.reasons: dict[int, str] = {}
+        self._lock = threading.Lock()
         super().__init__((address, 0), _NoticeHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A process that ended while its request was held (a lost one) is no error of the launcher's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    def end(self, group: int, reason: str) -> None:
+        """Tells group `group`'s processes that it ended, and why (the first reason given stays)."""
+        with self._lock:
+            self.reasons.setdefault(group, reason)
+            self.ends.setdefault(group, threading.Event()).set()
+
+    def ended(self, group: int, wait: float) -> str:
+        """Why group `group` ended, once it has, waiting at most `wait` seconds; "" if it has not."""
+        with self._lock:
+            event = self.ends.setdefault(group, threading.Event())
+        event.wait(wait)
+        return self.reasons.get(group, "")
+
+    def serve(self, folder: str) -> None:
+        """Serves the files of `folder` too (--resume-from's commits, for processes on other hosts)."""
+        self.roots.append(os.path.realpath(folder))
 
     def copying(self, path: str) -> None:
         self.copies[os.path.realpath(path)] = threading.Event()
@@ -113,7 +146,7 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
     def state(self, path: str) -> bytes | None:
         """The copy at `path` (under root), once its copy ended; None for anything else."""
         real = os.path.realpath(path)
-        if not real.startswith(self.root + os.sep):
+        if not any(real.startswith(root + os.sep) for root in self.roots):
             return None
         pending = self.copies.get(real)
         if pending is not None:
@@ -147,6 +180,9 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+        elif url.path == "/ended":
+            group = query.get("generation", [""])[0]
+            body = self.server.ended(int(group), ENDED_WAIT_SECONDS).encode() if group.isdigit() else b""  # type: ignore[attr-defined]
         else:
             group = query.get("generation", [""])[0]
             body = str(self.server.notice.get(int(group), 0) if group.isdigit() else 0).encode()  # type: ignore[attr-defined]
@@ -178,6 +214,32 @@ class SlotNotices:
             except (OSError, ValueError):
                 pass  # the launcher is gone or busy: the next poll asks again
             time.sleep(POLL_SECONDS)
+
+
+def watch_for_end(on_end: Callable[[str], None]) -> None:
+    """Under the launcher: a thread holds a request for the end of this process's group open, and calls
+    `on_end(reason)` once the launcher says the group ended (at most once)."""
+    address = os.environ.get(ENV_DRIVER)
+    if not address:
+        return
+    request = urllib.request.Request(
+        f"http://{address}/ended?generation={generation()}",
+        headers={SECRET_HEADER: os.environ.get(ENV_SECRET, "")},
+    )
+
+    def watch() -> None:
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=ENDED_WAIT_SECONDS + 10) as answer:
+                    reason = answer.read().decode()
+            except (OSError, ValueError):
+                time.sleep(POLL_SECONDS)  # the launcher is gone or busy: ask again
+                continue
+            if reason:
+                on_end(reason)
+                return
+
+    threading.Thread(target=watch, daemon=True, name="tf_adasum-elastic-end").start()
 
 
 _notices: SlotNotices | None = None

@@ -25,6 +25,7 @@ from tf_adasum.elastic_protocol import (
     generation,
     latest_notice,
     launched,
+    watch_for_end,
 )
 from tf_adasum.errors import PeerError
 
@@ -188,6 +189,30 @@ class State:
         os._exit(RESTART_EXIT_CODE)
 
 
+_watching = False
+
+
+def _watch_group() -> None:
+    """Under the launcher, once per process: when the launcher says this group ended (one of its processes
+    exited), abort this process's collectives, as MultiWorkerMirroredStrategy's health check does. A
+    survivor whose collective waits on a peer that lives but is itself leaving then fails at once with
+    a lost-peer error; TensorFlow noticed only 3.2 s later, when the coordination service's leader was
+    gone (issue 42)."""
+    global _watching
+    if _watching or not launched():
+        return
+    _watching = True
+
+    def abort(reason: str) -> None:
+        from tensorflow.python.eager import context  # no public API aborts the collectives
+
+        context.context().abort_collective_ops(
+            tf.errors.UNAVAILABLE, f"the elastic launcher ended group {generation()}: {reason}"
+        )
+
+    watch_for_end(abort)
+
+
 def install_excepthook() -> None:
     """Under the elastic launcher: an uncaught lost-peer error outside `run` (in the script's start,
     before the sync) passes the commits this process resumed from on to the next group, and leaves for
@@ -286,6 +311,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        _watch_group()
         try:
             state._sync(reset=generation() > 0)
             return func(state, *args, **kwargs)

@@ -148,7 +148,8 @@ def main() -> None:
         type=int,
         default=None,
         help="warm processes kept waiting on each host for the next group, so a membership change costs "
-        "no Python and TensorFlow start (default: the host's slots; 0: cold starts). Each holds "
+        "no Python and TensorFlow start (default: the most slots the host has had, up to --max-np; 0: "
+        "cold starts). Each holds "
         "TensorFlow imported: about 0.3-0.5 GB of memory and no CPU while it waits",
     )
     parser.add_argument(

@@ -14,17 +14,23 @@ contiguous share of every global batch, so a new group reshards the data by itse
 
 $FAULT injects failures, `group:rank:batch:kind` entries joined by commas, in the group and rank named,
 when that batch (of any epoch, counted from 0 in the epoch) starts:
-    kill     SIGKILL 50 ms into the batch (inside the step)
+    kill     SIGKILL 50 ms into the batch (inside the step), its time in OUT/killed-group{g}-rank{r}.json
     stop     SIGSTOP at the batch's start (a hang)
     commit   SIGKILL inside the commit after that batch, after its copy, before the ranks meet
     exit     exit(3) at the batch's start, after printing an error line (a worker's own error)
     grow     write $GROW_TO (default "127.0.0.1:3") to $SLOTS_FILE, the discovery script's answer, at the
              batch's start
     start    exit(3) as the process starts (the batch is ignored)
+    leaveN   write "127.0.0.1:N" to $SLOTS_FILE, then as kill (a host preempted and delisted)
+    slotsN   write "127.0.0.1:N" to $SLOTS_FILE (a host listed again)
+    killfirst  as kill, at the first batch this process runs (the batch is ignored): a change right
+             after the last one
+    lostdisk delete, as the process starts, the file of commits it would resume from: its host lost
+             its disk (the batch is ignored); it resumes from the launcher's copy
 $RESET_LR=X registers a reset callback that sets the learning rate to X * size() (fit modes).
 $PRELUDE=1 makes one all-reduce before the training function, as Horovod's examples do (a one-step fit).
 $SLOW_BATCH (seconds) sleeps at every batch's start, so that the launcher's notices arrive mid-epoch.
-$BATCHES_PER_COMMIT: the fit modes' CommitStateCallback's (default 1).
+$BATCHES_PER_COMMIT: the fit modes' CommitStateCallback's (default 1). $EPOCHS: how many (default 2).
 
 Each process of strategy, callback and loop writes OUT/final-rank{r}.npz (the weights) and .json (its
 group, size, where it resumed), and OUT/resumed-group{g}-rank{r}.json when its training function starts.
@@ -53,10 +59,12 @@ import tensorflow as tf
 
 from tests.workers.dispatch import main
 from tf_adasum import elastic
+from tf_adasum.elastic_pool import ENV_STANDBY
+from tf_adasum.elastic_protocol import ENV_RESUME_FILE
 
 GLOBAL_BATCH = 12
 ROWS = 96  # 8 global batches an epoch
-EPOCHS = 2
+EPOCHS = int(os.environ.get("EPOCHS", "2"))
 BATCHES_PER_COMMIT = int(os.environ.get("BATCHES_PER_COMMIT", "1"))
 
 
@@ -101,11 +109,27 @@ def my_faults(kind: str | None = None) -> dict[int, str]:
     return {b: k for g, r, b, k in faults() if g == group and r == rank and (kind is None or k == kind)}
 
 
-def at_batch_start(batch: int) -> None:
+# With $FAULT_BATCHES=relative a fault's batch counts the batches this process has begun in its group
+# (from 0), not the batch's place in its epoch.
+RELATIVE = os.environ.get("FAULT_BATCHES") == "relative"
+_begun = 0  # batches this process has begun
+
+
+def at_batch_start(batch: int, out: Path) -> None:
+    global _begun
     time.sleep(float(os.environ.get("SLOW_BATCH", "0")))
-    kind = my_faults().get(batch)
-    if kind == "kill":
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    _begun += 1
+    if _begun == 1 and "killfirst" in my_faults().values():
+        threading.Timer(0.05, die, (batch, out)).start()
+        return
+    kind = my_faults().get(_begun - 1 if RELATIVE else batch, "")
+    if kind.startswith("leave"):  # the host leaves the discovery's list, and its process dies
+        Path(os.environ["SLOTS_FILE"]).write_text(f"127.0.0.1:{kind[5:]}\n")
+        threading.Timer(0.05, die, (batch, out)).start()
+    elif kind.startswith("slots"):
+        Path(os.environ["SLOTS_FILE"]).write_text(f"127.0.0.1:{kind[5:]}\n")
+    elif kind == "kill":
+        threading.Timer(0.05, die, (batch, out)).start()
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "exit":
@@ -116,6 +140,14 @@ def at_batch_start(batch: int) -> None:
         Path(os.environ["SLOTS_FILE"]).write_text(os.environ.get("GROW_TO", "127.0.0.1:3").replace(",", "\n"))
 
 
+def die(batch: int, out: Path) -> None:
+    """SIGKILL, having written when (OUT/killed-group{g}-rank{r}.json): the survivors' detection is timed
+    from it."""
+    stamp = {"time": time.time(), "batch": batch}
+    (out / f"killed-group{elastic.generation()}-rank{tf_adasum.rank()}.json").write_text(json.dumps(stamp))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
     """Makes this process die inside the commit that follows a `commit` fault's batch."""
     batches = my_faults("commit")
@@ -124,7 +156,7 @@ def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
     check = state.check_host_updates
 
     def dying_check() -> None:
-        if batch_of_commit() in batches:
+        if (_begun - 1 if RELATIVE else batch_of_commit()) in batches:
             os.kill(os.getpid(), signal.SIGKILL)
         check()
 
@@ -132,8 +164,19 @@ def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
 
 
 class Faults(keras.callbacks.Callback):
+    """The faults, at each batch trained: not at the `skip` batches a resumed epoch reads and drops."""
+
+    def __init__(self, out: Path, skip: int = 0) -> None:
+        super().__init__()
+        self.out = out
+        self.skip = skip
+
     def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
-        at_batch_start(batch)
+        if batch >= self.skip:
+            at_batch_start(batch, self.out)
+
+    def on_epoch_end(self, epoch: int, logs: object = None) -> None:
+        self.skip = 0
 
 
 def record(out: Path, state: elastic.State, name: str) -> None:
@@ -145,6 +188,8 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "batch": int(state.batch),
         "commit": state._commits,
         "host": socket.gethostname(),
+        "warm": ENV_STANDBY in os.environ,  # a process of the launcher's pool
+        "forwarded": "FORWARDED_SECRET" in os.environ,  # a secret the launcher's environment held
         "learning_rate": float(keras.ops.convert_to_numpy(state.optimizer.learning_rate)),
         # Each process's own optimizer state (Adam's moments differ by process under Adasum).
         "optimizer": [float(np.sum(np.abs(v.numpy()))) for v in state.optimizer.variables],
@@ -153,6 +198,8 @@ def record(out: Path, state: elastic.State, name: str) -> None:
 
 
 def prelude() -> None:
+    if "lostdisk" in my_faults().values():  # this host lost the commits this process would resume from
+        Path(os.environ[ENV_RESUME_FILE]).unlink()
     if "start" in my_faults().values():
         print(f"worker error: rank {tf_adasum.rank()} of group {elastic.generation()} fails as it starts")
         sys.stdout.flush()
@@ -208,7 +255,7 @@ def fit(out: Path, model: keras.Model, fit_x: np.ndarray, fit_y: np.ndarray, bat
             verbose=0,
             callbacks=[
                 *extra,
-                Faults(),
+                Faults(out, skip=int(state.batch)),
                 elastic.UpdateEpochStateCallback(state),
                 elastic.UpdateBatchStateCallback(state),
                 elastic.CommitStateCallback(state, batches_per_commit=BATCHES_PER_COMMIT),
@@ -223,6 +270,7 @@ def loop(out: Path) -> None:
     import tf_adasum.tensorflow as hvd
 
     hvd.init()
+    prelude()
     x, y = data()
     model = model_in(None)
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.05), op=hvd.Adasum)
@@ -246,7 +294,7 @@ def loop(out: Path) -> None:
         per = len(xs) // (ROWS // GLOBAL_BATCH)
         while state.epoch < EPOCHS:
             for b in range(state.batch, ROWS // GLOBAL_BATCH):
-                at_batch_start(b)
+                at_batch_start(b, out)
                 step(xs[b * per : (b + 1) * per], ys[b * per : (b + 1) * per])
                 state.batch = b + 1
                 state.commit()
