@@ -489,7 +489,7 @@ def test_a_resumed_fit_skips_the_batches_done() -> None:
     )  # fmt: skip
     assert (state.epoch, state.batch) == (2, 0)
     assert seen == list(range(8)) * 2  # Keras's numbering stays the epoch's
-    assert counts == [3, 3, 3, 4, 5, 6, 7, 8] + list(range(1, 9))
+    assert counts == [3, 3, 3, 4, 5, 6, 7, 8, *range(1, 9)]
     # A commit after every batch trained (5 then 8) and at each epoch's end, none for a dropped batch.
     assert committed == [(0, b) for b in range(4, 9)] + [(1, 0)] + [(1, b) for b in range(1, 9)] + [(2, 0)]
     reference = _model()

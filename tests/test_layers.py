@@ -32,8 +32,9 @@ FLOORS: list[list[str]] = [
     # errors (the peer timeout is the elastic protocol's); the elastic launcher's membership rules;
     # the numpy views the MPI engine receives into
     ["errors", "elastic_policy", "_compat.numpy_views"],
-    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher
-    ["_compat.registry", "tensor_lists", "elastic_pool"],
+    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher's pool of
+    # warm processes and its discovery of slots
+    ["_compat.registry", "tensor_lists", "elastic_pool", "elastic_discovery"],
     # each hook, by subject; the communicator interface; the contract tree; the launcher
     [
         "_compat.optimizers",
@@ -223,3 +224,13 @@ def test_the_check_finds_an_upward_import_a_sideways_one_and_a_circle(tmp_path: 
 def test_each_module_says_its_one_job_first(module: str) -> None:
     docstring = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
     assert docstring and len(docstring.splitlines()[0]) <= 110, docstring
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """One idea per module: a module past 500 lines holds more than one, and is split where one ends."""
+    long = {
+        module_name(path, PACKAGE): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, f"modules over 500 lines: {long}"

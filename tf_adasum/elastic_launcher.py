@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tf_adasum import elastic_policy as policy
-from tf_adasum.elastic_policy import parse_slots
+from tf_adasum.elastic_discovery import Discovery
 from tf_adasum.elastic_pool import ENV_STANDBY, Pool, Standby
 from tf_adasum.elastic_protocol import NoticeBoard, new_secret, peer_timeout_seconds, process_environment
 from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, start
@@ -56,32 +56,6 @@ GROW_WARM_SECONDS = 60.0
 
 class ElasticError(RuntimeError):
     """The job cannot go on: too few workers, too many resets."""
-
-
-class Discovery:
-    """The slots the job may use: the discovery script's latest answer, or -H's."""
-
-    def __init__(self, script: str | None, hosts: str | None, np: int) -> None:
-        self.script = script
-        self.static = parse_slots(hosts.replace(",", "\n")) if hosts else {"127.0.0.1": np}
-        self.problem: str | None = None
-
-    def slots(self) -> dict[str, int]:
-        if not self.script:
-            return dict(self.static)
-        try:
-            done = subprocess.run(
-                self.script, shell=True, capture_output=True, text=True, timeout=30, check=False
-            )
-            if done.returncode != 0:
-                raise ValueError(f"exited with {done.returncode}: {done.stderr.strip()[-300:]}")
-            self.problem = None
-            return parse_slots(done.stdout)
-        except (ValueError, subprocess.TimeoutExpired) as error:
-            if self.problem != str(error):
-                sys.stderr.write(f"tf_adasum.run: host discovery script {self.script!r}: {error}\n")
-            self.problem = str(error)
-            return {}
 
 
 @dataclass
