@@ -25,8 +25,11 @@ from tf_adasum.errors import PeerError, timeout_seconds
 # With a rank on another host, the kernel moves the bytes between polls, into socket buffers that a poll
 # drains whole; spinning there takes the cores from the kernel's network processing, and halved the
 # bandwidth of 4 processes on 2 cores (benchmarks/README.md, across hosts): such a wait sleeps at once.
+# But Open MPI's TCP transport also writes the next fragments only inside a poll, so the sleep is short:
+# at 1 ms, 16 MB between 2 hosts at 1 Gbit/s took 1.68x the wire time; at 0.2 ms, 1.17x (and 4 hosts
+# went from 2.03x to 1.56x).
 _SPIN_SECONDS = 2.0
-_POLL_SLEEP_SECONDS = 1e-3
+_POLL_SLEEP_SECONDS = 2e-4
 
 
 class MPICommunicator(HostCommunicator):
