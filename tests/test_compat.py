@@ -20,6 +20,7 @@ from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.epoch_iterator import EpochIterator
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.eager import context as eager_context
 from tensorflow.python.profiler import trace as profiler_trace
 
 import tf_adasum
@@ -69,6 +70,7 @@ REMOVALS = [
     ("_create_device_dataset", lambda mp: mp.delattr(multi_device_iterator_ops, "_create_device_dataset")),
     ("_maybe_symbolic_build", lambda mp: mp.delattr(TensorFlowTrainer, "_maybe_symbolic_build")),
     ("profiler.trace.enabled", lambda mp: mp.delattr(profiler_trace, "enabled")),
+    ("context.abort_collective_ops", lambda mp: mp.delattr(eager_context.Context, "abort_collective_ops")),
     (
         "loss scaling for distribution",
         lambda mp: mp.delattr(keras_loss_module, "unscale_loss_for_distribution"),
@@ -226,3 +228,8 @@ def test_the_mpi_engine_receives_into_tensor_memory_only_while_numpy_shares_it(
             assert _compat.writable_view(tensor) is None
     finally:
         _compat.numpy_views_share_memory.cache_clear()
+
+
+def test_without_the_abort_hook_a_group_end_aborts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(eager_context.Context, "abort_collective_ops")
+    assert _compat.abort_collectives("the group ended") is False

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import agreement, engine, errors
+from tf_adasum import _compat, agreement, engine, errors
 from tf_adasum.elastic_protocol import (
     ENV_RESUME_COPY,
     ENV_RESUME_FILE,
@@ -204,11 +204,7 @@ def _watch_group() -> None:
     _watching = True
 
     def abort(reason: str) -> None:
-        from tensorflow.python.eager import context  # no public API aborts the collectives
-
-        context.context().abort_collective_ops(
-            tf.errors.UNAVAILABLE, f"the elastic launcher ended group {generation()}: {reason}"
-        )
+        _compat.abort_collectives(f"the elastic launcher ended group {generation()}: {reason}")
 
     watch_for_end(abort)
 

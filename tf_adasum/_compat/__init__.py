@@ -32,7 +32,12 @@ arguments to the install_* functions, which tf_adasum/__init__.py calls once: th
 `import tf_adasum` makes to Keras.
 """
 
-from tf_adasum._compat.distribute import hold_iterators, install_batch_reduction, quiet_per_device_iterators
+from tf_adasum._compat.distribute import (
+    abort_collectives,
+    hold_iterators,
+    install_batch_reduction,
+    quiet_per_device_iterators,
+)
 from tf_adasum._compat.layers import BatchNormalizationMoments
 from tf_adasum._compat.losses import install_loss_scaling
 from tf_adasum._compat.numpy_views import numpy_views_share_memory, writable_view
@@ -76,6 +81,7 @@ __all__ = [
     "TESTED_KERAS",
     "TESTED_TENSORFLOW",
     "BatchNormalizationMoments",
+    "abort_collectives",
     "checkpoints_only",
     "disable_gradient_sum",
     "hold_iterators",

@@ -12,6 +12,10 @@
 `_create_device_dataset`
     tf.data's per-device prefetch datasets (quiet_per_device_iterators). Optional: without it, epoch
     boundaries can be slow with many replicas, nothing else changes.
+`context.abort_collective_ops`
+    The eager context's abort of every collective of this process, which MultiWorkerMirroredStrategy's
+    health check calls (abort_collectives): an elastic job's processes call it when the launcher ends
+    their group. Optional: without it, they learn of a lost peer when TensorFlow's runtime does.
 """
 
 from __future__ import annotations
@@ -175,3 +179,30 @@ def quiet_per_device_iterators() -> None:
         return before(*args, **kwargs).with_options(options)
 
     module._create_device_dataset = mark(create_device_dataset, before)
+
+
+# --- context.abort_collective_ops -----------------------------------------------------------------
+
+
+@register(
+    "context.abort_collective_ops",
+    "an elastic job's processes learn that their group ended only when TensorFlow's runtime notices",
+    required=False,
+)
+def _check_abort_collective_ops() -> str | None:
+    from tensorflow.python.eager import context
+
+    if not callable(getattr(context.Context, "abort_collective_ops", None)):
+        return "tensorflow.python.eager.context.Context has no abort_collective_ops"
+    return None
+
+
+def abort_collectives(message: str) -> bool:
+    """Aborts every collective of this process, running or to come, with UnavailableError(message), as
+    MultiWorkerMirroredStrategy's health check does; False (nothing done) where the hook is missing."""
+    if hook_problem("context.abort_collective_ops") is not None:
+        return False
+    from tensorflow.python.eager import context
+
+    context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+    return True
