@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import threading
@@ -226,7 +227,19 @@ class _Graveyard:
         self._lock = threading.Lock()
         self._buried: list[tuple[float, list[Any]]] = []
         self._wake = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release").start()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release")
+        self._thread.start()
+        # Before the interpreter ends: a daemon thread still inside a destructor then is cut off in
+        # TensorFlow's C++ ("FATAL: exception not rethrown", the process aborts at exit).
+        atexit.register(self._stop)
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+        with self._lock:
+            self._buried.clear()  # what is left is freed here, on the exiting thread
 
     def bury(self, objects: list[Any], delay: float) -> None:
         if objects:
@@ -235,7 +248,7 @@ class _Graveyard:
             self._wake.set()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             self._wake.wait(1.0)
             self._wake.clear()
             now = time.monotonic()
