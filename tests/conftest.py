@@ -19,6 +19,16 @@ tf.config.set_logical_device_configuration(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`'s -n), every test that launches a job runs on one worker, one at a
+    time: two jobs of several processes at once on a 2-core machine would starve each other's timeouts."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 @pytest.fixture(params=["eager", "tf_function"])
 def run(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """Calls a function eagerly or through a fresh tf.function, so each case checks both modes."""

@@ -27,6 +27,9 @@ from tf_adasum.elastic_launcher import elastic_launch
 from tf_adasum.elastic_policy import parse_slots
 from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
 
+# Times detection and recovery: `make test` runs it after the rest, alone on the machine.
+pytestmark = pytest.mark.alone
+
 WORKER = ["-m", "tests.workers.elastic"]
 LAUNCH_TIMEOUT = 240
 PEER_TIMEOUT = "15"

@@ -27,6 +27,9 @@ from tf_adasum.elastic_protocol import (
     watch_for_end,
 )
 
+# Times how soon a watcher hears: `make test` runs it after the rest, alone on the machine.
+pytestmark = pytest.mark.alone
+
 
 def _get(board: NoticeBoard, path: str, secret: str | None) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection(*board.server_address[:2], timeout=30)

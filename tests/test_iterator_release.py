@@ -18,6 +18,9 @@ import tensorflow as tf
 
 import tf_adasum  # noqa: F401  (installs the release)
 
+# Times fit's return to within a second: `make test` runs it after the rest, alone on the machine.
+pytestmark = pytest.mark.alone
+
 
 def slow_to_free(freed: threading.Event) -> tf.data.Dataset:
     def batches() -> Any:
