@@ -42,12 +42,14 @@ lint: $(STAMP)
 # build and run the core for aarch64 (tests/test_build.py).
 # Two parts, both always run: first everything but the tests marked `alone`, on TEST_WORKERS pytest-xdist
 # workers (tests that launch jobs stay on one worker, one job at a time: tests/conftest.py); then the
-# `alone` tests, which time detection, recovery or shaped links, with nothing else on the machine.
+# `alone` tests, which time detection, recovery or a return, or cut links, with nothing else on the machine
+# (test_iterator_release.py first, in a process of its own: its graveyard holds no other test's iterators).
 TEST_WORKERS ?= 2
 test: build lint horovod cross-tools docs
 	status=0; \
 	$(PY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadgroup --durations=25 || status=$$?; \
-	$(PY) -m pytest -q -m alone --durations=10 || status=$$?; \
+	$(PY) -m pytest -q tests/test_iterator_release.py || status=$$?; \
+	$(PY) -m pytest -q -m alone --ignore=tests/test_iterator_release.py --durations=10 || status=$$?; \
 	exit $$status
 
 # The manual (docs/, mkdocs.yml) into site/. --strict: a broken link, a missing page or a reference

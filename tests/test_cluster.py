@@ -30,7 +30,8 @@ sys.path.insert(0, str(processes.ROOT / "scripts"))
 import cluster
 
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.
-pytestmark = pytest.mark.multiprocess
+# Its jobs cross shaped links and cut them on short timeouts: `make test` runs it after the rest, alone.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]
 
 WORKER = ["-m", "tests.workers.cluster"]
 CUT_PEER_TIMEOUT = 10.0
