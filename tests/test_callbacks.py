@@ -15,8 +15,9 @@ import tensorflow as tf
 
 import tf_adasum
 import tf_adasum.keras as hvd
+import tf_adasum.tensorflow
 from tests.test_training import build_linear, cpus, make_inner, problem
-from tf_adasum import agreement, engine, errors, shared_state, sync
+from tf_adasum import agreement, distributed, engine, errors, shared_state, sync
 
 
 def test_adasum_callback_in_one_process_trains_as_the_plain_optimizer(tmp_path: Path) -> None:
@@ -133,14 +134,54 @@ def test_horovod_api_in_one_process() -> None:
     [
         ("device_dense", "/gpu:0"),
         ("gradient_predivide_factor", 2.0),
-        ("num_groups", 2),
-        ("groups", [[0]]),
         ("process_set", object()),
     ],
 )
 def test_distributed_optimizer_names_what_it_does_not_implement(argument: str, value: Any) -> None:
     with pytest.raises(NotImplementedError, match=rf"DistributedOptimizer\({argument}="):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), **{argument: value})
+
+
+def test_groups_split_the_gradients_as_horovod_does_and_go_out_last_first() -> None:
+    grads = [tf.zeros([n]) for n in (4, 4, 4, 4, 4)]
+    variables = [tf.Variable(tf.zeros([4]), name=f"v{i}") for i in range(5)]
+    assert distributed.gradient_groups(grads, variables, None, "t") == [[0, 1, 2, 3, 4]]
+    assert distributed.gradient_groups(grads, variables, 2, "t") == [[3, 4], [0, 1, 2]]
+    assert distributed.gradient_groups(grads, variables, 9, "t") == [[4], [3], [2], [1], [0]]
+    # Listed variables together, every other variable alone (Horovod's rule); Keras variables match too.
+    got = distributed.gradient_groups(grads, variables, [[variables[3], variables[0]], [variables[2]]], "t")
+    assert got == [[4], [1], [2], [0, 3]]
+    with pytest.raises(ValueError, match="is in groups 0 and 1"):
+        distributed.gradient_groups(grads, variables, [[variables[0]], [variables[0]]], "t")
+    with pytest.raises(ValueError, match=r"groups\[0\] is a ResourceVariable; expected a list"):
+        distributed.gradient_groups(grads, variables, [variables[0]], "t")
+    with pytest.raises(ValueError, match="expected a number of groups, 0 or more"):
+        distributed.gradient_groups(grads, variables, -1, "t")
+    with pytest.raises(ValueError, match="pass groups or num_groups, not both"):
+        tf_adasum.tensorflow.DistributedGradientTape(tf.GradientTape(), num_groups=2, groups=3)
+    with pytest.raises(NotImplementedError, match=r"op=Adasum, groups=2.*DistributedGradientTape"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Adasum, num_groups=2)
+    assert hvd.DistributedOptimizer(keras.optimizers.SGD(), num_groups=3).groups == 3
+
+
+def test_buckets_are_cut_from_the_last_gradient_back_in_a_traced_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = [tf.zeros([n], tf.float32) for n in (1 << 18, 1 << 16, 1 << 18, 1 << 18)]  # 1, 1/4, 1, 1 MB
+
+    def traced_groups() -> list[list[int]]:
+        groups: list[list[int]] = []
+        tf.function(lambda: groups.extend(distributed.gradient_groups(grads, None, None, "t")))()
+        return groups
+
+    monkeypatch.setenv("TF_ADASUM_BUCKET_MB", "1.2")
+    assert traced_groups() == [[2, 3], [0, 1]]
+    assert distributed.gradient_groups(grads, None, None, "t") == [[0, 1, 2, 3]]  # eagerly: one call
+    monkeypatch.setenv("TF_ADASUM_BUCKET_MB", "0")
+    assert traced_groups() == [[0, 1, 2, 3]]
+    monkeypatch.setenv("TF_ADASUM_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match="TF_ADASUM_BUCKET_MB='lots'; expected megabytes"):
+        distributed.bucket_bytes()
 
 
 def test_distributed_optimizer_chooses_by_op() -> None:

@@ -138,6 +138,35 @@ def check_reducescatter(out: Path, p: int) -> None:
         np.testing.assert_allclose(info["compiled"], share / p, rtol=1e-6)
 
 
+def check_groups(out: Path, p: int) -> None:
+    """Adasum: every grouping gives the bits of one call (each tensor keeps its own coefficients); the
+    average and DistributedOptimizer's groups: one call's result. And in the traced step, the first
+    group's result waits only for its own local gradients: the last layer's, under groups=2, 99 and
+    buckets; every gradient under one call."""
+    _, one = load(out, "groups_adasum_one_", p)
+    _, average = load(out, "groups_average_one_", p)
+    same_everywhere(one)
+    for way in ("two", "each", "bucket", "listed"):
+        _, got = load(out, f"groups_adasum_{way}_", p)
+        same_everywhere(got)
+        for a, b in zip(got[0], one[0], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=way)
+    for op in ("average", "optimizer"):
+        for way in ("one", "two", "each", "bucket", "listed"):
+            _, got = load(out, f"groups_{op}_{way}_", p)
+            same_everywhere(got)
+            for a, b in zip(got[0], average[0], strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{op} {way}")
+    infos, _ = load(out, "groups_traced_", p)
+    for info in infos:  # the MLP's six variables: kernel and bias of three layers
+        assert info["waits"] == {
+            "one": [True] * 6,
+            "two": [False, False, False, True, True, True],
+            "each": [False] * 5 + [True],
+            "bucket": [False, False, True, True, True, True],  # 0.0001 MB: 188 bytes from the end
+        }, info
+
+
 def check_mismatch(out: Path, p: int, engine: str) -> None:
     infos, _ = load(out, "mismatch", p)
     assert all(("branch" in info) == (engine == "mpi") for info in infos), infos
@@ -162,10 +191,11 @@ def check_mismatch(out: Path, p: int, engine: str) -> None:
 # tape loops at 3 do not reach, and cost 40 s of CI.
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
-    modes = ["tutorial", "tape", "ordering", "reducescatter", "mismatch"]
+    modes = ["tutorial", "tape", "groups", "ordering", "reducescatter", "mismatch"]
     launch(launcher, 2, tmp_path, *modes, *(["examples"] if launcher == "mpi" else []))
     check_tutorial(tmp_path, 2)
     check_tape(tmp_path, 2)
+    check_groups(tmp_path, 2)
     check_ordering(tmp_path, 2)
     check_reducescatter(tmp_path, 2)
     check_mismatch(tmp_path, 2, launcher)
@@ -174,8 +204,9 @@ def test_custom_loops_on_two_processes(launcher: str, tmp_path: Path) -> None:
 
 
 def test_custom_loops_on_three_mpi_processes(tmp_path: Path) -> None:
-    launch("mpi", 3, tmp_path, "tape")
+    launch("mpi", 3, tmp_path, "tape", "groups")
     check_tape(tmp_path, 3)
+    check_groups(tmp_path, 3)
 
 
 def test_the_loop_examples_under_horovodrun_gloo(tmp_path: Path) -> None:

@@ -37,6 +37,10 @@ class AllreduceOptimizer(WrappedOptimizer):
             between the weights stay as they are and only the iteration count moves, as in Horovod.
         average_aggregated_gradients: divide the accumulated gradients by backward_passes_per_step
             (Horovod's flag; its default, False, applies their sum).
+        groups: Horovod's grouping of the all-reduce: a number of groups, or a list of lists of
+            variables; each group is one fused call, so that in a traced step each starts as soon as its
+            gradients exist (tf_adasum.distributed.gradient_groups). None: one call, or buckets of
+            $TF_ADASUM_BUCKET_MB in a traced step. A saved optimizer keeps an integer `groups` only.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class AllreduceOptimizer(WrappedOptimizer):
         backward_passes_per_step: int = 1,
         average_aggregated_gradients: bool = False,
         scale_local_gradients: bool = True,
+        groups: Any = None,
     ) -> None:
         op = distributed.ReduceOp(op)
         # Mixed precision's skip decision must be global: one rank skipping would average other steps.
@@ -62,6 +67,8 @@ class AllreduceOptimizer(WrappedOptimizer):
         )
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.scale_local_gradients = bool(scale_local_gradients)
+        self.groups = groups
+        distributed.gradient_groups([], [], groups, "AllreduceOptimizer")  # the argument's checks, now
 
     def build(self, var_list: list[Any]) -> None:
         self.inner_optimizer.build(var_list)
@@ -97,8 +104,14 @@ class AllreduceOptimizer(WrappedOptimizer):
             local = [variables is not None and self.is_local(v) for v in (variables or [None] * len(grads))]
             present = [i for i, g in enumerate(grads) if g is not None and not local[i]]
             names = [variable_name(variables[i]) for i in present] if variables is not None else []
-            reduced = distributed.allreduce_compressed(
-                [grads[i] for i in present], self.op, self.compression, names
+            groups = distributed.gradient_groups(
+                [grads[i] for i in present],
+                [variables[i] for i in present] if variables is not None else None,
+                self.groups,
+                "AllreduceOptimizer",
+            )
+            reduced = distributed.allreduce_grouped(
+                [grads[i] for i in present], self.op, self.compression, names, groups
             )
             grads = list(grads)
             for i, g in zip(present, reduced, strict=True):
@@ -153,4 +166,5 @@ class AllreduceOptimizer(WrappedOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "average_aggregated_gradients": self.average_aggregated_gradients,
             "scale_local_gradients": self.scale_local_gradients,
+            "groups": self.groups if isinstance(self.groups, int) else None,
         }

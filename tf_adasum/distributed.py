@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tf_adasum import across_processes, agreement, errors, fusion, ops, timeline
@@ -34,6 +35,7 @@ from tf_adasum.engine import (
 )
 from tf_adasum.tensor_lists import indices_by_dtype
 from tf_adasum.tree import adasum_tree
+from tf_adasum.variables import tf_variable
 
 __all__ = [
     "ENGINES",
@@ -46,6 +48,7 @@ __all__ = [
     "Sum",
     "allreduce",
     "allreduce_compressed",
+    "allreduce_grouped",
     "allreduce_replicas",
     "broadcast",
     "cross_rank",
@@ -195,6 +198,109 @@ def allreduce_compressed(
     if compression == "none":
         return allreduce(tensors, op=op, names=names)
     return widened(allreduce(narrowed(tensors), op=op, names=names), tensors)
+
+
+# Gradient buckets for a traced step when no groups are given ($TF_ADASUM_BUCKET_MB, 0: one call).
+BUCKET_MB = 0.0
+
+
+def bucket_bytes() -> int:
+    """The size of a gradient bucket in a traced step: $TF_ADASUM_BUCKET_MB megabytes, else BUCKET_MB."""
+    given = os.environ.get("TF_ADASUM_BUCKET_MB", "")
+    try:
+        megabytes = float(given) if given else BUCKET_MB
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(
+            f"TF_ADASUM_BUCKET_MB={given!r}; expected megabytes per bucket, 0 or more (0: one call)"
+        )
+    return int(megabytes * (1 << 20))
+
+
+def gradient_groups(
+    gradients: Sequence[Any], variables: Sequence[Any] | None, groups: Any, what: str
+) -> list[list[int]]:
+    """Which gradients travel together, in the order the calls go out: Horovod's `groups`, else buckets.
+
+    - `groups` a positive int: the gradients split into that many consecutive groups (Horovod's rule);
+    - a list of lists of variables: each inner list one group, every other gradient a group of its own;
+    - None or 0: in a traced step, buckets of about $TF_ADASUM_BUCKET_MB from the last gradient back
+      (0, the default: one group); eagerly one group, since every gradient already exists.
+
+    The groups go out last first: the backward pass makes the last layers' gradients first, and in a
+    tf.function each group's call starts as soon as its own gradients exist, while the earlier layers'
+    are still being computed. With Adasum every tensor keeps its own coefficients, so how tensors are
+    grouped changes no bit of the result.
+    """
+    count = len(gradients)
+    if isinstance(groups, bool) or not (groups is None or isinstance(groups, int | list | tuple)):
+        raise ValueError(
+            f"{what}: groups must be None, a number of groups or a list of lists of variables, got {groups!r}"
+        )
+    if isinstance(groups, int) and groups < 0:
+        raise ValueError(f"{what}: groups={groups}; expected a number of groups, 0 or more")
+    if isinstance(groups, list | tuple):
+        if variables is None:
+            raise ValueError(f"{what}: groups of variables need the variables the gradients belong to")
+        where = {id(tf_variable(v)): i for i, v in enumerate(variables)}
+        taken: dict[int, int] = {}
+        out: list[list[int]] = []
+        for g, group in enumerate(groups):
+            if not isinstance(group, list | tuple):
+                raise ValueError(
+                    f"{what}: groups[{g}] is a {type(group).__name__}; expected a list of variables"
+                )
+            members = []
+            for variable in group:
+                i = where.get(id(tf_variable(variable)))
+                if i is None:
+                    continue  # a variable without a gradient here (Horovod skips it too)
+                if i in taken:
+                    raise ValueError(
+                        f"{what}: variable {getattr(variable, 'name', variable)!r} is in groups "
+                        f"{taken[i]} and {g}; each variable belongs to one group"
+                    )
+                taken[i] = g
+                members.append(i)
+            if members:
+                out.append(sorted(members))
+        out += [[i] for i in range(count) if i not in taken]
+        return out[::-1]
+    if count == 0:
+        return []
+    if groups:
+        parts = np.array_split(np.arange(count), min(groups, count))
+        return [part.tolist() for part in reversed(parts)]
+    limit = bucket_bytes()
+    if not limit or tf.executing_eagerly() or count < 2:
+        return [list(range(count))]
+    out, current, size = [], [], 0
+    for i in reversed(range(count)):
+        current.append(i)
+        size += _bytes(gradients[i])
+        if size >= limit:
+            out.append(sorted(current))
+            current, size = [], 0
+    return [*out, sorted(current)] if current else out
+
+
+def allreduce_grouped(
+    tensors: list[Any],
+    op: ReduceOp,
+    compression: str,
+    names: Sequence[str],
+    groups: list[list[int]],
+) -> list[Any]:
+    """allreduce_compressed of each group in turn (gradient_groups' order): one fused call per group."""
+    out: list[Any] = [None] * len(tensors)
+    for index in groups:
+        reduced = allreduce_compressed(
+            [tensors[i] for i in index], op, compression, [names[i] for i in index]
+        )
+        for i, tensor in zip(index, reduced, strict=True):
+            out[i] = tensor
+    return out
 
 
 # As allreduce: plain Python inside a tf.function.

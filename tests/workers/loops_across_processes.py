@@ -14,6 +14,9 @@ Modes:
                    variables in one tf.function, and 20 fresh functions of all-reduces and broadcasts with
                    no data between them: the collectives must run in program order on every rank
     reducescatter  Horovod's reducescatter, Sum eagerly and Average compiled
+    groups         Horovod's `groups` and $TF_ADASUM_BUCKET_MB on an MLP's tape loop (Adasum of the
+                   gradients, Average) and DistributedOptimizer(op=Average, groups=...); and, in the traced
+                   gradient, which local gradients each group's result waits for
     mismatch       rank 0 all-reduces then broadcasts, the others the reverse: every rank must raise; and,
                    under MPI, a compiled tf.cond on the rank that parts them only when it runs
 """
@@ -204,6 +207,113 @@ def reducescatter(out: Path) -> None:
     save(out, "reducescatter", scattered)
 
 
+def mlp(seed: int) -> keras.Model:
+    rng = np.random.default_rng(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(6, activation="tanh"),
+            keras.layers.Dense(5),
+            keras.layers.Dense(OUTPUTS),
+        ]
+    )
+    model.set_weights([rng.standard_normal(w.shape).astype(np.float32) for w in model.get_weights()])
+    return model
+
+
+class RecordingTape:
+    """A tape for DistributedGradientTape that keeps the local gradients it hands over."""
+
+    def __init__(self, tape: tf.GradientTape) -> None:
+        self.tape = tape
+        self.local: list[Any] = []
+        self.reduced: list[Any] = []
+
+    def gradient(self, *args: Any) -> Any:
+        self.local = self.tape.gradient(*args)
+        return self.local
+
+
+def ancestors(tensor: tf.Tensor) -> set[str]:
+    seen, todo = set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    return seen
+
+
+def groups(out: Path) -> None:
+    """Each way of grouping trains the MLP 4 steps from the same weights; the traced check follows."""
+    tf_adasum.init()
+    x, y = shard(tf_adasum.rank())
+    ways: list[tuple[str, Any, str]] = [
+        ("one", None, "0"),
+        ("two", 2, "0"),
+        ("each", 99, "0"),
+        ("bucket", None, "0.0001"),
+    ]
+    for op in ("adasum", "average", "optimizer"):
+        for name, how, bucket in [*ways, ("listed", "listed", "0")]:
+            os.environ["TF_ADASUM_BUCKET_MB"] = bucket
+            model = mlp(tf_adasum.rank())
+            variables = model.trainable_variables
+            chosen = [[variables[0], variables[5]], [variables[2]]] if how == "listed" else how
+            if op == "optimizer":
+                opt = tf_adasum.keras.DistributedOptimizer(make_optimizer("sgd_momentum"), groups=chosen)
+            else:
+                opt = make_optimizer("sgd_momentum")
+
+            @tf.function
+            def step(
+                xb: tf.Tensor,
+                yb: tf.Tensor,
+                model: Any = model,
+                opt: Any = opt,
+                op: str = op,
+                chosen: Any = chosen,
+            ) -> None:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(xb) - yb) ** 2)
+                if op != "optimizer":
+                    reduce = hvd.Adasum if op == "adasum" else hvd.Average
+                    tape = hvd.DistributedGradientTape(tape, op=reduce, groups=chosen)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            for s in range(ROWS_PER_RANK // BATCH):
+                step(x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
+            save(out, f"groups_{op}_{name}_", {}, model.get_weights())
+    # Traced: which local gradients the last bias's result (the first group out) waits for.
+    waits = {}
+    for name, how, bucket in ways:
+        os.environ["TF_ADASUM_BUCKET_MB"] = bucket
+        model = mlp(0)
+        recording = RecordingTape(tf.GradientTape())
+
+        @tf.function
+        def reduced(
+            xb: tf.Tensor, yb: tf.Tensor, model: Any = model, how: Any = how, recording: Any = recording
+        ) -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            recording.tape = tape
+            recording.reduced = hvd.DistributedGradientTape(recording, op=hvd.Adasum, groups=how).gradient(
+                loss, model.trainable_variables
+            )
+            return recording.reduced
+
+        reduced.get_concrete_function(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
+        # From the result inside the function: its outputs wait for every collective (tf.function runs
+        # every stateful op before it returns), which says nothing of when each group's starts.
+        last = ancestors(recording.reduced[-1])
+        waits[name] = [g.op.name in last for g in recording.local]
+    os.environ.pop("TF_ADASUM_BUCKET_MB")
+    save(out, "groups_traced_", {"waits": waits})
+
+
 def mismatch(out: Path) -> None:
     rank = tf_adasum.init().rank
     seen = {}
@@ -259,6 +369,7 @@ MODES = {
     "engine": engine,
     "ordering": ordering,
     "reducescatter": reducescatter,
+    "groups": groups,
     "mismatch": mismatch,
 }
 

@@ -26,6 +26,15 @@ def unsupported(where: str, **arguments: tuple[Any, Any]) -> None:
             )
 
 
+def groups_argument(where: str, num_groups: int, groups: Any) -> Any:
+    """Horovod's `groups`, with its deprecated `num_groups` standing in for an integer `groups`."""
+    if num_groups and groups is not None and groups != num_groups:
+        raise ValueError(
+            f"{where}: pass groups or num_groups, not both (got num_groups={num_groups}, groups={groups!r})"
+        )
+    return num_groups if groups is None and num_groups else groups
+
+
 def reduce_op(where: str, average: bool | None, op: Any) -> distributed.ReduceOp:
     """Horovod's rule: op wins; average=False means Sum; neither given means Average."""
     if op is not None and average is not None:

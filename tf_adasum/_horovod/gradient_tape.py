@@ -8,7 +8,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import distributed, engine
-from tf_adasum._horovod.arguments import local_layer_list, unsupported
+from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsupported
 from tf_adasum._horovod.compression import Compression
 from tf_adasum._horovod.mpi_ops import grouped_allreduce
 from tf_adasum.distributed import Average, Sum
@@ -36,8 +36,12 @@ class DistributedGradientTape:
             sum by size / factor after, as Horovod does.
         scale_local_gradients: divide the gradients of local sources (register_local_source) by the
             number of processes, as Horovod does.
-        device_dense, device_sparse, num_groups, groups, process_set: defaults only (tf_adasum reduces
-            all gradients in one fused call).
+        groups: Horovod's: a number of groups (consecutive), or a list of lists of variables (each list
+            one group, every other variable alone). Each group is one fused call, issued last group
+            first; in a tf.function each starts as soon as its gradients exist, overlapping the rest of
+            the backward pass. None: one call, or buckets of $TF_ADASUM_BUCKET_MB in a tf.function.
+        num_groups: Horovod's older name for an integer `groups`.
+        device_dense, device_sparse, process_set: defaults only.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class DistributedGradientTape:
                 f"op={self.op.name.title()}"
             )
         self._tape = gradtape
+        self.groups = groups_argument(where, num_groups, groups)
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         self.scale_local_gradients = scale_local_gradients
@@ -103,17 +108,24 @@ class DistributedGradientTape:
         names = [_name(flat_sources[i]) for i in present]
         factor = self.gradient_predivide_factor
         size = engine.init().size
-        reduced = grouped_allreduce(
-            [flat[i] for i in present],
-            op=Sum if self.op is Average else self.op,
-            compression=self.compression,
-            prescale_factor=1.0 / factor if self.op is Average else 1.0,
-            postscale_factor=factor / size if self.op is Average else 1.0,
-            names=names,
-        )
         out = list(flat)
-        for i, g in zip(present, reduced, strict=True):
-            out[i] = g
+        groups = distributed.gradient_groups(
+            [flat[i] for i in present],
+            [flat_sources[i] for i in present],
+            self.groups,
+            "DistributedGradientTape",
+        )
+        for index in groups:  # one fused call per group, last layers' first (distributed.gradient_groups)
+            reduced = grouped_allreduce(
+                [flat[present[j]] for j in index],
+                op=Sum if self.op is Average else self.op,
+                compression=self.compression,
+                prescale_factor=1.0 / factor if self.op is Average else 1.0,
+                postscale_factor=factor / size if self.op is Average else 1.0,
+                names=[names[j] for j in index],
+            )
+            for j, g in zip(index, reduced, strict=True):
+                out[present[j]] = g
         if self.scale_local_gradients and size > 1:  # Horovod's: a local gradient divided by the workers
             out = [_divided(g, size) if mine[i] and g is not None else g for i, g in enumerate(out)]
         return tf.nest.pack_sequence_as(local, out)

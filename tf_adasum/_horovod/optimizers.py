@@ -9,7 +9,7 @@ from typing import Any
 import keras
 
 from tf_adasum import distributed, engine, sync
-from tf_adasum._horovod.arguments import local_layer_list, unsupported
+from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsupported
 from tf_adasum._horovod.compression import Compression, check_compressor
 from tf_adasum.allreduce_optimizer import AllreduceOptimizer
 from tf_adasum.distributed import Adasum, Average
@@ -50,8 +50,11 @@ def DistributedOptimizer(
             aggregated there).
         scale_local_gradients: with Average/Sum, divide the gradients of local variables
             (register_local_var) by the number of processes, as Horovod.
-        use_locking, device_dense, device_sparse, gradient_predivide_factor, num_groups, groups,
-        process_set: only their defaults are supported; anything else raises.
+        groups: with Average/Sum, Horovod's grouping: a number of groups, or a list of lists of
+            variables, each group one fused all-reduce that starts as soon as its gradients exist
+            (AllreduceOptimizer); num_groups is its older name.
+        use_locking, device_dense, device_sparse, gradient_predivide_factor, process_set: only their
+            defaults are supported; anything else raises.
 
     Returns:
         An AdasumOptimizer (op=Adasum) or AllreduceOptimizer (op=Average/Sum) around `optimizer`.
@@ -64,12 +67,19 @@ def DistributedOptimizer(
     unsupported(where, use_locking=(use_locking, False), device_dense=(device_dense, ""))
     unsupported(where, device_sparse=(device_sparse, ""), process_set=(process_set, None))
     unsupported(where, gradient_predivide_factor=(gradient_predivide_factor, 1.0))
-    unsupported(where, num_groups=(num_groups, 0), groups=(groups, None))
     check_compressor(where, compression)
     chosen = distributed.ReduceOp(op)
+    groups = groups_argument(where, num_groups, groups)
     sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
     engine.init()
     if chosen is Adasum:
+        if groups:
+            raise NotImplementedError(
+                f"{where}(op=Adasum, groups={groups!r}): groups split the gradient all-reduce of "
+                "op=Average or Sum; op=Adasum combines the model deltas after the optimizer, one fused "
+                "call a sync. For Adasum of the gradients in groups, use "
+                "DistributedGradientTape(op=Adasum, groups=...)"
+            )
         if average_aggregated_gradients and backward_passes_per_step > 1:
             raise ValueError(
                 f"{where}(op=Adasum, average_aggregated_gradients=True): with Adasum after the optimizer "
@@ -87,6 +97,7 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         scale_local_gradients=scale_local_gradients,
+        groups=groups,
     )
 
 
