@@ -7,7 +7,9 @@ Each run is a real elastic job: `python -m tf_adasum.run --elastic -np N --min-n
 elastic callbacks, a plain model.fit per process on its own share). The model and data are
 convergence.py's (the LeNet-like CNN, the augmented 16x16 digits, 32 examples per worker per step,
 momentum SGD 0.9); the learning rate is constant, the one-worker rate 0.01 (convergence.py's PEAK).
-Same seed for every run. While 6 workers run, the global batch is 6 * 32.
+Same seed for every run. While 6 workers run, the global batch is 6 * 32. --model transformer: the LAMB
+study's Transformer encoder on its pointer task instead (convergence.py --model transformer), with
+Keras's LAMB at its one-replica rate 0.004.
 
 Runs, at N = 8:
     adasum_failures    op=Adasum; group 0's ranks 6 and 7 SIGKILL themselves at --kill-step (they write
@@ -37,6 +39,7 @@ Usage:
     python benchmarks/elastic.py             # the five runs and the commit cost, ~12 min here
     python benchmarks/elastic.py --smoke     # N = 3 -> 2 -> 3: adasum_failures and the commit cost, ~1 min
     python benchmarks/elastic.py --runs average_failures --skip-commit-cost   # one run again
+    python benchmarks/elastic.py --model transformer --runs adasum_failures --skip-commit-cost --steps 1000
     python benchmarks/elastic.py --report    # run nothing: the tables and the plot from OUT's event files
 
 Writes OUT/<run>_events.jsonl (the workers' @ev lines, the launcher's lines the recovery times need,
@@ -68,6 +71,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "elastic_worker.py"
 ONE_WORKER_LR = 0.01  # convergence.py's PEAK["sgd"], tuned for one worker
+LAMB_LR = 0.004  # convergence.py's PEAK["lamb"], for --model transformer
 
 RUNS: dict[str, dict[str, Any]] = {
     "adasum_failures": {"op": "adasum", "lr_rule": "fixed", "failures": True},
@@ -148,6 +152,7 @@ def train_args(args: argparse.Namespace, spec: dict[str, Any]) -> list[str]:
         "--op", spec["op"], "--lr", str(args.lr), "--lr-rule", spec["lr_rule"],
         "--steps", str(args.steps), "--eval-every", str(args.eval_every),
         "--batches-per-commit", str(args.batches_per_commit), "--seed", str(args.seed), "--np", str(args.np),
+        "--model", args.model,
     ]  # fmt: skip
     if spec["failures"]:
         ranks = [str(r) for r in range(args.np - args.kill, args.np)]
@@ -407,10 +412,12 @@ def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) 
     acc.set_ylabel("validation accuracy")
     acc.set_ylim(0, 1)
     acc.legend(fontsize=8, loc="lower right")
+    optimizer = "LAMB" if args.model == "transformer" else "SGD"
     acc.set_title(
         f"Elastic training, N = {args.np} -> {args.np - args.kill} -> {args.np}, "
         "32 examples per worker per step, "
-        f"SGD lr {args.lr:g}\n(shaded: {args.np - args.kill} workers in the first run with failures; "
+        f"{optimizer} lr {args.lr:g}\n"
+        f"(shaded: {args.np - args.kill} workers in the first run with failures; "
         "solid: with failures, dashed: without; workers' lines offset a little)",
         fontsize=9,
     )
@@ -627,8 +634,8 @@ def report(args: argparse.Namespace, elapsed: float | None) -> bool:
             write_csv(args.out / f"{name}.csv", rows)
     (args.out / "summary.txt").write_text(
         f"python benchmarks/elastic.py{' --smoke' if args.smoke else ''}: N = {args.np} -> "
-        f"{args.np - args.kill} -> {args.np}, {args.steps} steps, lr {args.lr:g}, batches_per_commit "
-        f"{args.batches_per_commit}, seed {args.seed}\n\n{joined}\n"
+        f"{args.np - args.kill} -> {args.np}, model {args.model}, {args.steps} steps, lr {args.lr:g}, "
+        f"batches_per_commit {args.batches_per_commit}, seed {args.seed}\n\n{joined}\n"
     )
     if runs:
         plot(runs, args, args.out / "accuracy_vs_step.png")
@@ -668,7 +675,16 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--batches-per-commit", type=int, default=10)
     parser.add_argument("--train-examples", type=int, default=0, help="0: all ~20k")
-    parser.add_argument("--lr", type=float, default=ONE_WORKER_LR)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"default: {ONE_WORKER_LR} (SGD), LAMB's 0.004 for the transformer",
+    )
+    parser.add_argument(
+        "--model", choices=["cnn", "transformer"], default="cnn",
+        help="transformer: the LAMB study's pointer task with LAMB (convergence.py --model transformer)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phase-steps", type=int, default=200, help="commit cost: steps per phase")
     parser.add_argument("--peer-timeout", type=float, default=30, help="TF_ADASUM_TIMEOUT_SECONDS")
@@ -677,6 +693,8 @@ def main() -> int:
     parser.add_argument("--data", type=Path, default=ROOT / "demo_output" / "digits16_held_out.npz")
     parser.add_argument("--smoke", action="store_true", help="N = 3 -> 2 -> 3, one short run, ~1 min")
     args = parser.parse_args()
+    if args.lr is None:
+        args.lr = LAMB_LR if args.model == "transformer" else ONE_WORKER_LR
     if args.smoke:
         args.np, args.kill, args.steps, args.kill_step, args.grow_step = 3, 1, 2000, 25, 60
         args.eval_every, args.train_examples, args.phase_steps, args.job_timeout = 100, 4000, 100, 240

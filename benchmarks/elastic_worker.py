@@ -5,6 +5,9 @@ process on its own share, hvd.DistributedOptimizer(SGD(lr, momentum=0.9), op=Ada
 elastic.KerasState, @elastic.run and the three elastic callbacks. The model and the data are
 convergence.py's (make_model, augmented_digits).
 
+--model transformer: the LAMB study's 2-layer Transformer encoder on its pointer task (convergence.py's
+make_transformer, pointer_data: 20,000 sequences, 2,000 held out), with Keras's LAMB at --lr.
+
 Data: a global stream of training examples (one permutation per pass, from --seed). A global step of a
 group of n processes consumes the next 32 * n examples of the stream, rank r the r-th 32; `state.seen`
 (committed) says where the stream stands. So whatever the membership, each pass reads every example
@@ -54,7 +57,7 @@ T_ENGINE = time.time()
 
 # isort: split
 import keras  # noqa: E402
-from convergence import LOCAL_BATCH, LOSS, make_model  # noqa: E402
+from convergence import LOCAL_BATCH, LOSS, make_model, make_transformer, pointer_data  # noqa: E402
 
 import tf_adasum.keras as hvd  # noqa: E402
 from tf_adasum import elastic  # noqa: E402
@@ -153,16 +156,21 @@ class Measure(keras.callbacks.Callback):
 
 def setup(args: argparse.Namespace) -> tuple[Any, ...]:
     hvd.init()
-    x, y, x_val, y_val = augmented_digits(Path(args.data))
+    if args.model == "transformer":  # the LAMB study's pointer task: 20k sequences, 2k held out
+        x, y, x_val, y_val = pointer_data(20_000)
+    else:
+        x, y, x_val, y_val = augmented_digits(Path(args.data))
     if args.train_examples:
         x, y = x[: args.train_examples], y[: args.train_examples]
     keras.utils.set_random_seed(args.seed)
-    model = make_model()
+    model = make_transformer() if args.model == "transformer" else make_model()
     op = hvd.Adasum if args.op == "adasum" else hvd.Average
     lr = args.lr * (hvd.size() if args.lr_rule == "size" else 1)
-    model.compile(
-        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), op=op), loss=LOSS
-    )
+    if args.model == "transformer":
+        inner = keras.optimizers.Lamb(lr)
+    else:
+        inner = keras.optimizers.SGD(lr, momentum=0.9)
+    model.compile(optimizer=hvd.DistributedOptimizer(inner, op=op), loss=LOSS)
     state = elastic.KerasState(model, epoch=0, batch=0, step=0, seen=0)
     return x, y, x_val, y_val, model, state
 
@@ -310,6 +318,7 @@ def main() -> None:
     parser.add_argument("--train-examples", type=int, default=0, help="the first N training images (0: all)")
     parser.add_argument("--op", choices=["adasum", "average"], default="adasum")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--model", choices=["cnn", "transformer"], default="cnn")
     parser.add_argument("--lr-rule", choices=["fixed", "size"], default="fixed", help="size: lr * hvd.size()")
     parser.add_argument("--steps", type=int, default=300, help="global steps in all")
     parser.add_argument("--eval-every", type=int, default=20, help="global steps per fit epoch")
