@@ -23,6 +23,9 @@ processes on each), on one cluster of max(H) hosts whose every link is reshaped 
                after tf_adasum's (Horovod's background thread slows other MPI traffic in its process)
     fit        benchmarks/bench_fit.py --processes (TF engine): AdasumStrategy's fit step against
                MultiWorkerMirroredStrategy's, in the same job
+    buckets    benchmarks/bench_fit.py --processes --buckets (TF engine): a tape loop's step with Adasum of
+               the gradients (DistributedGradientTape(op=Adasum)) in one call against gradient buckets
+               of each --bucket-megabytes, overlapping the backward pass
     local      benchmarks/bench_allreduce.py --devices-per-process 2 (first layout with one process per
                host): the strategy's sync with local_reduction "adasum" and "mean" against the sum
 
@@ -255,6 +258,10 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                 if "fit" in args.parts:
                     fit = ["--processes", "--models", *args.fit_models, "--steps", str(args.fit_steps)]
                     jobs.append(("fit", "tf", "bench_fit.py", fit))
+                if "buckets" in args.parts:
+                    bucketed = ["--processes", "--models", *args.fit_models, "--steps", str(args.fit_steps)]
+                    bucketed += ["--buckets", "0", *map(str, args.bucket_megabytes)]
+                    jobs.append(("buckets", "tf", "bench_fit.py", bucketed))
                 if (
                     "local" in args.parts
                     and slots == 1
@@ -395,6 +402,19 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 f"| {r['rate']} | {r['layout']} | {r['model']} | {r['adasum_ms']} "
                 f"| {r.get('baseline_ms', '')} | {r.get('ratio', '')} |"
             )
+    bucketed = [r for r in rows if r.get("part") == "buckets" and "step_ms" in r]
+    if bucketed:
+        lines += [
+            "",
+            "| rate | layout | model | bucket MB (0: one call) | tape step ms | rounds ms | vs one call |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in bucketed:
+            rounds = ", ".join(map(str, r["rounds_ms"]))
+            lines.append(
+                f"| {r['rate']} | {r['layout']} | {r['model']} | {r['bucket_mb']:g} | {r['step_ms']} "
+                f"| {rounds} | {r['vs_first']} |"
+            )
     local = [r for r in rows if r.get("part") == "local" and "mean_ms" in r]
     if local:
         lines += [
@@ -482,7 +502,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--parts", nargs="+", default=["allreduce", "horovod", "fit", "local"],
-        choices=["allreduce", "exchange", "horovod", "fit", "local"],
+        choices=["allreduce", "exchange", "horovod", "fit", "buckets", "local"],
     )  # fmt: skip
     parser.add_argument("--engines", nargs="+", default=["mpi", "tf"], choices=["mpi", "tf"])
     parser.add_argument("--megabytes", type=int, nargs="*", default=[16, 64])
@@ -491,6 +511,9 @@ def main() -> None:
     parser.add_argument("--bytes-calls", type=int, default=2)
     parser.add_argument("--fit-models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--fit-steps", type=int, default=20)
+    parser.add_argument(
+        "--bucket-megabytes", type=float, nargs="+", default=[4, 16], help="buckets: against one call"
+    )
     parser.add_argument(
         "--delay", default="100us", help="asked of tc; applied only where the kernel has netem"
     )

@@ -13,6 +13,8 @@ Usage:
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --scripts
     python benchmarks/bench_fit.py --loops [--replicas 2]                   # custom training loops
     mpirun -np 2 python benchmarks/bench_fit.py --loops --processes
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --buckets 0 4 16
+                                                        # gradient buckets in a tape loop
 
 With --loops, the same model's step as a custom training loop: locally, TensorFlow's tutorial loop
 (strategy.run, a plain optimizer's apply_gradients) under AdasumStrategy against model.fit under it
@@ -21,6 +23,13 @@ processes, Horovod's TF2 loop on tf_adasum.tensorflow (a GradientTape, one tf.fu
 Adasum after the optimizer (AdasumOptimizer.apply_gradients) and with DistributedGradientTape's
 gradient average, against model.fit with AdasumCallback (tape_adasum_vs_fit) and against the tape
 average (tape_adasum_vs_average).
+
+With --buckets MB..., across processes, Horovod's TF2 loop with DistributedGradientTape(op=Adasum) (Adasum
+of the gradients before the optimizer, as Horovod's op=Adasum) with $TF_ADASUM_BUCKET_MB at each value:
+0 is one fused call after the whole backward pass, the baseline; each other value cuts the gradients
+into buckets of that size from the last layer back, each all-reduced as soon as its gradients exist
+while the backward pass goes on. The sizes are measured in alternating rounds (--rounds); each row
+gives the mean of the rounds' medians and its ratio to one call.
 
 With --scripts, every process runs a plain Keras fit (one replica per process, no strategy) three ways
 in the same run: alone, with no communication at all (the single-process baseline); with
@@ -244,6 +253,7 @@ def tape_loop_step_ms(kind: str, local_batch: int, steps: int, how: str, warmup:
     import tf_adasum.tensorflow as hvd
 
     x, y = data(kind, local_batch * (steps + warmup))
+    keras.utils.set_random_seed(0)  # the same weights on every process: no broadcast in the timed loop
     model = make_model(kind)
     inner = keras.optimizers.SGD(0.01, momentum=0.9)
     optimizer = tf_adasum.AdasumOptimizer(inner) if how == "adasum" else inner
@@ -255,6 +265,8 @@ def tape_loop_step_ms(kind: str, local_batch: int, steps: int, how: str, warmup:
             loss = loss_fn(labels, model(features, training=True))
         if how == "average":
             tape = hvd.DistributedGradientTape(tape)
+        elif how == "adasum_gradients":
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
@@ -267,6 +279,26 @@ def tape_loop_step_ms(kind: str, local_batch: int, steps: int, how: str, warmup:
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def buckets(kind: str, local_batch: int, steps: int, sizes: list[float], rounds: int) -> None:
+    """The --buckets rows: the tape loop's step with Adasum of the gradients, one call against buckets."""
+    import tf_adasum
+
+    comm = tf_adasum.init()
+    medians: dict[float, list[float]] = {size: [] for size in sizes}
+    for _ in range(rounds):
+        for size in sizes:
+            os.environ["TF_ADASUM_BUCKET_MB"] = str(size)  # read when the step is traced
+            medians[size].append(tape_loop_step_ms(kind, local_batch, steps, "adasum_gradients"))
+    one = statistics.mean(medians[sizes[0]])
+    for size in sizes:
+        ms = statistics.mean(medians[size])
+        row = {"model": kind, "processes": comm.size, "engine": comm.engine, "bucket_mb": size}
+        row |= {"step_ms": round(ms, 2), "rounds_ms": [round(m, 2) for m in medians[size]]}
+        row |= {"vs_first": round(ms / one, 3)}
+        if comm.rank == 0:
+            print(json.dumps(row), flush=True)
 
 
 def loops(kind: str, replicas: list[int], local_batch: int, steps: int, processes: bool) -> None:
@@ -324,6 +356,13 @@ def main() -> None:
     )
     parser.add_argument("--scripts", action="store_true", help="AdasumCallback and op=Average, per process")
     parser.add_argument("--loops", action="store_true", help="custom training loops against fit")
+    parser.add_argument(
+        "--buckets",
+        type=float,
+        nargs="+",
+        help="with --processes: $TF_ADASUM_BUCKET_MB values, the first the baseline",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --buckets: alternating rounds")
     args = parser.parse_args()
 
     import tensorflow as tf
@@ -338,6 +377,12 @@ def main() -> None:
 
         for kind in args.models:
             loops(kind, args.replicas, args.local_batch, args.steps, args.processes)
+        return
+    if args.buckets:
+        import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
+
+        for kind in args.models:
+            buckets(kind, args.local_batch, args.steps, args.buckets, args.rounds)
         return
     if args.scripts:
         import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op

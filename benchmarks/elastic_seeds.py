@@ -63,6 +63,19 @@ def report(out: Path, seeds: list[int], runs: list[str]) -> str:
         lines.append(
             f"| {run} | {rows[0]['lr']} | {len(rows)} | {spread(final)} | {spread(last3)} | {groups} |"
         )
+    first = runs[0]
+    lines += [
+        "",
+        f"| run | {first} minus it, per seed (final accuracy) | mean ± std (range) |",
+        "| --- | --- | --- |",
+    ]
+    for run in runs[1:]:
+        paired = [
+            float(summaries[s][first]["final_accuracy"]) - float(summaries[s][run]["final_accuracy"])
+            for s in seeds
+            if first in summaries[s] and run in summaries[s]
+        ]
+        lines.append(f"| {run} | {', '.join(f'{d:+.3f}' for d in paired)} | {spread(paired)} |")
     lines += ["", "| run | seed | membership (steps) | final accuracy |", "| --- | --- | --- | --- |"]
     for run in runs:
         for s in seeds:
