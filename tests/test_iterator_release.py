@@ -64,28 +64,3 @@ def test_evaluate_and_predict_return_at_once_too() -> None:
         run(slow_to_free(freed))
         assert time.perf_counter() - start < 3.0
         assert freed.wait(30)
-
-
-def test_a_slow_destructor_holds_up_no_other_batch() -> None:
-    """Each batch that falls due is freed on a thread of its own: a destructor that takes long (tf.data's
-    autotuning thread, up to a minute on a busy host) does not keep the next iterators alive."""
-    from tf_adasum._compat.trainer import _Graveyard
-
-    slow_done, quick_done = threading.Event(), threading.Event()
-
-    class Freed:
-        def __init__(self, seconds: float, done: threading.Event) -> None:
-            self.seconds, self.done = seconds, done
-
-        def __del__(self) -> None:
-            time.sleep(self.seconds)
-            self.done.set()
-
-    graveyard = _Graveyard()
-    graveyard.bury([Freed(8.0, slow_done)], delay=0.0)
-    time.sleep(1.5)  # the slow one is being freed now
-    graveyard.bury([Freed(0.0, quick_done)], delay=0.0)
-    assert quick_done.wait(4.0), "the quick batch waited behind the slow destructor"
-    assert not slow_done.is_set()
-    assert slow_done.wait(15.0)
-    graveyard._stop()

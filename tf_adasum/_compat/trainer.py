@@ -218,18 +218,14 @@ def _check_epoch_iterators() -> str | None:
 
 
 class _Graveyard:
-    """Frees objects off the training thread, `delay` seconds after they are handed over: a tf.data
+    """Frees objects on a thread of its own, `delay` seconds after they are handed over: a tf.data
     iterator's destructor waits for its threads (tf.data's autotuning thread can take up to its
     optimisation period, seconds to a minute on a busy host), and the thread that drops the last
-    reference pays for it. Each batch that falls due is freed on a thread of its own, so that one slow
-    destructor holds up no other batch."""
-
-    STOP_SECONDS = 60.0  # at exit, the longest wait for the frees under way
+    reference pays for it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buried: list[tuple[float, list[Any]]] = []
-        self._freeing: list[threading.Thread] = []
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release")
@@ -241,10 +237,7 @@ class _Graveyard:
     def _stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        deadline = time.monotonic() + self.STOP_SECONDS
-        self._thread.join(timeout=self.STOP_SECONDS)
-        for thread in self._freeing:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._thread.join(timeout=60)
         with self._lock:
             self._buried.clear()  # what is left is freed here, on the exiting thread
 
@@ -262,12 +255,7 @@ class _Graveyard:
             with self._lock:
                 due = [objects for when, objects in self._buried if when <= now]
                 self._buried = [(when, objects) for when, objects in self._buried if when > now]
-            if due:
-                # The new thread's arguments hold the only references: each destructor runs there.
-                thread = threading.Thread(target=list.clear, args=(due,), daemon=True, name="tf_adasum-free")
-                del due
-                self._freeing = [t for t in self._freeing if t.is_alive()] + [thread]
-                thread.start()
+            del due  # here, off the training thread, each iterator's destructor runs
 
 
 _graveyard: _Graveyard | None = None
