@@ -70,7 +70,7 @@ class MPICommunicator(HostCommunicator):
         )
         sizes = np.empty(self.size, np.int64)
         self._wait(
-            [self._comm.Iallgather(np.array([self.local_size], np.int64), sizes)], "start-up", "all ranks"
+            [self._comm.Iallgather(np.array([self.local_size], np.int64), sizes)], "start-up", self._others()
         )
         self.homogeneous = len(set(sizes.tolist())) == 1
         local.Free()
@@ -125,6 +125,12 @@ class MPICommunicator(HostCommunicator):
 
     def _on_this_host(self, ranks: Sequence[int] | None) -> bool:
         return self.local_size == self.size if ranks is None else all(r in self._here for r in ranks)
+
+    def _others(self, ranks: Sequence[int] | None = None) -> str:
+        """Who a collective over `ranks` (None: all) waits on, for a timeout's message: any of the others,
+        as MPI cannot say which of them is missing."""
+        others = [r for r in (range(self.size) if ranks is None else ranks) if r != self.rank]
+        return f"rank(s) {others}" if len(others) == 1 else f"one or more of rank(s) {others}"
 
     def _wait(self, requests: list[Any], what: str, peers: str, ranks: Sequence[int] | None = None) -> None:
         with timeline.phase("wait", on=peers):
@@ -194,7 +200,7 @@ class MPICommunicator(HostCommunicator):
         # On Adasum's own communicator (see __init__).
         self.bytes_sent += send.nbytes * (self.size - 1)
         with timeline.phase("allgather", what=what, bytes_sent=send.nbytes * (self.size - 1)):
-            self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, "all ranks")
+            self._wait([self._adasum.Iallgather(self._bytes(send), self._bytes(recv))], what, self._others())
 
     def group_sum_host(self, values: np.ndarray, group: Sequence[int], what: str) -> np.ndarray:
         key = tuple(group)
@@ -204,7 +210,7 @@ class MPICommunicator(HostCommunicator):
         self.bytes_sent += values.nbytes
         with timeline.phase("block sum", what=what, ranks=list(key), bytes=values.nbytes):
             self._wait(
-                [self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, f"ranks {list(key)}", key
+                [self._groups[key].Iallreduce(values, out, op=self._mpi.SUM)], what, self._others(key), key
             )
         return out
 
@@ -246,7 +252,7 @@ class MPICommunicator(HostCommunicator):
         def run(x: np.ndarray) -> np.ndarray:
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # only read: no copy
             out = np.empty((self.size, *x.shape), x.dtype)
-            self._wait([self._comm.Iallgather(self._bytes(x), self._bytes(out))], "allgather", "all ranks")
+            self._wait([self._comm.Iallgather(self._bytes(x), self._bytes(out))], "allgather", self._others())
             return out
 
         return self._host(run, [tensor], tensor.dtype, [self.size, *tensor.shape])
@@ -258,7 +264,7 @@ class MPICommunicator(HostCommunicator):
         def run(x: np.ndarray) -> np.ndarray:
             wide = np.array(self._summable(x), order="C")
             out = np.empty_like(wide)
-            self._wait([self._comm.Iallreduce(wide, out, op=op[reduction])], what, "all ranks")
+            self._wait([self._comm.Iallreduce(wide, out, op=op[reduction])], what, self._others())
             return out.astype(x.dtype)
 
         return self._host(run, [tensor], tensor.dtype, tensor.shape)
@@ -302,7 +308,7 @@ class MPICommunicator(HostCommunicator):
             requests = {r: self._comm.irecv(source=r, tag=11) for r in range(1, self.size)}
             everyone = [obj, *[v for _, v in sorted(self._wait_objects(requests, what).items())]]
             sends = [self._comm.isend(everyone, dest=r, tag=12) for r in range(1, self.size)]
-            self._wait(sends, what, "all ranks")
+            self._wait(sends, what, self._others())
             return everyone
         send = self._comm.isend(obj, dest=0, tag=11)
         everyone = self._wait_objects({0: self._comm.irecv(source=0, tag=12)}, what)[0]
