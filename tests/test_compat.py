@@ -71,6 +71,7 @@ REMOVALS = [
     ("_maybe_symbolic_build", lambda mp: mp.delattr(TensorFlowTrainer, "_maybe_symbolic_build")),
     ("profiler.trace.enabled", lambda mp: mp.delattr(profiler_trace, "enabled")),
     ("context.abort_collective_ops", lambda mp: mp.delattr(eager_context.Context, "abort_collective_ops")),
+    ("coordination service", lambda mp: mp.delattr(eager_context.Context, "coordination_service")),
     (
         "loss scaling for distribution",
         lambda mp: mp.delattr(keras_loss_module, "unscale_loss_for_distribution"),

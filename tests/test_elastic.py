@@ -50,6 +50,7 @@ def launch(
         PYTHONPATH=str(ROOT),
         TF_ADASUM_TIMEOUT_SECONDS=PEER_TIMEOUT,
         TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONFAULTHANDLER="1",  # a worker that dies of a signal prints its threads' stacks
         **(env or {}),
     )
     started = time.monotonic()

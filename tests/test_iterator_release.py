@@ -64,3 +64,27 @@ def test_evaluate_and_predict_return_at_once_too() -> None:
         run(slow_to_free(freed))
         assert time.perf_counter() - start < 3.0
         assert freed.wait(30)
+
+
+def test_a_graveyard_that_falls_behind_hands_back_what_it_cannot_take() -> None:
+    """One thread frees more slowly than a loop of short fits makes iterators: past MAX_WAITING
+    handovers the caller frees its own (bury says False), so what waits, and the threads it holds,
+    stay bounded."""
+    from tf_adasum._compat.trainer import _Graveyard
+
+    class Tracked:
+        freed = 0
+
+        def __del__(self) -> None:
+            Tracked.freed += 1
+
+    graveyard = _Graveyard()
+    try:
+        taken = [graveyard.bury([Tracked()], delay=60.0) for _ in range(_Graveyard.MAX_WAITING)]
+        assert taken == [True] * _Graveyard.MAX_WAITING and Tracked.freed == 0
+        assert not graveyard.bury([Tracked()], delay=60.0)
+        assert Tracked.freed == 1  # handed back: the caller's reference was the last
+        assert graveyard.bury([], delay=60.0)  # nothing to take is never refused
+    finally:
+        graveyard._stop()
+    assert Tracked.freed == 1 + _Graveyard.MAX_WAITING  # the rest, at its stop

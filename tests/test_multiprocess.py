@@ -156,6 +156,21 @@ def test_a_missing_peer_gives_an_error_naming_it(engine: str, mode: str, tmp_pat
     assert info["seconds"] < 60, info
 
 
+def test_a_long_fast_run_holds_a_bounded_number_of_threads(tmp_path: Path) -> None:
+    """At the default timeout (300 s), TensorFlow's timeout of a collective parked a thread for the whole
+    300 s, however soon the collective ended, so the TF engine's process held one thread per
+    collective of the last 5 minutes: 5,600 after 40 s of short fits, until it aborted. And the iterator
+    release kept every iterator of a loop of short fits it could not free as fast (20 threads a fit).
+    Both are bounded now, whatever the run's length."""
+    code = launch("tf", 2, tmp_path, "threads", {"TF_ADASUM_TIMEOUT_SECONDS": "300"})
+    assert code == 0, log_tail(tmp_path)
+    for r in range(2):
+        info = json.loads((tmp_path / f"threads{r}.json").read_text())
+        # About 150 at rest; 300 compiled all-reduces were over 1,000 collectives, and 60 fits 1,200
+        # threads, before.
+        assert info["after_collectives"] < 500 and info["after_fits"] < 500, info
+
+
 def test_an_mpi_rank_that_exits_ends_the_job_naming_it(tmp_path: Path) -> None:
     # Open MPI itself detects a process that exits without MPI_Finalize and kills the job.
     code = launch("mpi", 2, tmp_path, "dead", {"TF_ADASUM_TIMEOUT_SECONDS": "60"})

@@ -20,6 +20,8 @@ Modes:
     mixed_precision  mixed_float16 under AdasumStrategy, rank 1's share of the first batch overflowing
     resume           AdasumStrategy: k steps, save, restore, k more, against 2k at once
     writes           weights written between two fits (set_weights, EarlyStopping's restore)
+    threads          many short compiled all-reduces, then many short fits under AdasumStrategy: the
+                     threads the process holds after each, OUT/threads{r}.json
 
 Each rank's data comes from tests/workers/data.py, which the test also uses to build the oracle.
 """
@@ -433,6 +435,28 @@ def resume(out: Path) -> None:
     (out / f"resume{comm.rank}.json").write_text(json.dumps(results))
 
 
+def threads(out: Path) -> None:
+    """What a long run leaves behind, fast: TensorFlow parked a thread for the whole timeout on every
+    collective given one, and tf_adasum's iterator release fell behind a loop of short fits."""
+    import keras
+
+    comm = tf_adasum.init()
+    x = tf.ones([16])
+    step = tf.function(lambda x: tf_adasum.allreduce([x, 2 * x], op=tf_adasum.Adasum))
+    for _ in range(300):
+        step(x)
+    after_collectives = len(os.listdir("/proc/self/task"))
+    adasum = tf_adasum.AdasumStrategy()
+    with adasum.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    data = np.ones((96, 3), np.float32), np.ones((96, 2), np.float32)
+    for _ in range(60):  # each fit leaves an iterator part read, as a resumed epoch's is
+        model.fit(*data, batch_size=12, epochs=1, steps_per_epoch=3, verbose=0)
+    info = {"after_collectives": after_collectives, "after_fits": len(os.listdir("/proc/self/task"))}
+    (out / f"threads{comm.rank}.json").write_text(json.dumps(info))
+
+
 MODES = {
     "lanes": lanes,
     "collectives": collectives,
@@ -447,6 +471,7 @@ MODES = {
     "mixed_precision": mixed_precision,
     "resume": resume,
     "writes": writes,
+    "threads": threads,
 }
 
 if __name__ == "__main__":

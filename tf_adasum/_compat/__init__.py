@@ -34,6 +34,7 @@ arguments to the install_* functions, which tf_adasum/__init__.py calls once: th
 
 from tf_adasum._compat.distribute import (
     abort_collectives,
+    coordination_service_on,
     hold_iterators,
     install_batch_reduction,
     quiet_per_device_iterators,
@@ -83,6 +84,7 @@ __all__ = [
     "BatchNormalizationMoments",
     "abort_collectives",
     "checkpoints_only",
+    "coordination_service_on",
     "disable_gradient_sum",
     "hold_iterators",
     "hook_problem",

@@ -16,6 +16,10 @@
     The eager context's abort of every collective of this process, which MultiWorkerMirroredStrategy's
     health check calls (abort_collectives): an elastic job's processes call it when the launcher ends
     their group. Optional: without it, they learn of a lost peer when TensorFlow's runtime does.
+`coordination service`
+    Whether the eager context runs TensorFlow's coordination service (coordination_service_on), whose
+    heartbeats notice a lost peer. Optional: without it, the TF engine gives each collective the timeout,
+    and TensorFlow parks a thread for the whole timeout on each, however soon the collective ends.
 """
 
 from __future__ import annotations
@@ -206,3 +210,31 @@ def abort_collectives(message: str) -> bool:
 
     context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
     return True
+
+
+# --- coordination service -------------------------------------------------------------------------
+
+
+@register(
+    "coordination service",
+    "the TF engine times each collective instead: TensorFlow parks a thread per collective for the whole "
+    "timeout, thousands in a long fast run",
+    required=False,
+)
+def _check_coordination_service() -> str | None:
+    from tensorflow.python.eager import context
+
+    if not hasattr(context.Context, "coordination_service"):
+        return "tensorflow.python.eager.context.Context has no coordination_service"
+    return None
+
+
+def coordination_service_on() -> bool:
+    """Whether this process's eager context runs TensorFlow's coordination service, whose heartbeats
+    abort every collective of the process when a task stops sending them (it died, hangs or is cut off;
+    MultiWorkerMirroredStrategy configures it for its workers). False where the hook is missing."""
+    if hook_problem("coordination service") is not None:
+        return False
+    from tensorflow.python.eager import context
+
+    return bool(context.context().coordination_service)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import timeline
+from tf_adasum import _compat, timeline
 from tf_adasum.comm.base import Communicator
 from tf_adasum.errors import LOST_PEER, PeerError, timeout_seconds
 
@@ -149,6 +149,13 @@ class TFCollectiveCommunicator(Communicator):
                 "create the AdasumStrategy) at the top of the script, before listing devices or building "
                 "tensors"
             ) from error
+        # How a lost peer is noticed. TensorFlow's timeout of a collective parks a thread of its own for
+        # the whole timeout, however soon the collective ends: at 300 s, a loop of short fits held 5,600
+        # threads a process after 40 s and aborted ("Resource temporarily unavailable"). The strategy
+        # runs TensorFlow's coordination service, whose heartbeats abort every collective of a process
+        # whose peer died, hangs or is cut off (within about 10 s), so the collectives wait without a
+        # timeout (but one at start-up). Where it does not run, each has the timeout, as before.
+        self._op_timeout = 0.0 if _compat.coordination_service_on() else timeout_seconds()
         self.device = f"/job:{task_type}/replica:0/task:{rank}/device:CPU:0"
         self._instances: dict[int, int] = defaultdict(int)
         # While a signature's function is traced (instance_keys_of): its key range and counts, per
@@ -165,7 +172,7 @@ class TFCollectiveCommunicator(Communicator):
         # same comparator orders every subgroup, so one gather over everybody calibrates them all.
         with tf.init_scope():
             order = self._collective(
-                "gather", tf.constant([self.rank], tf.int64), range(self.size), "start-up"
+                "gather", tf.constant([self.rank], tf.int64), range(self.size), "start-up", timed=True
             )
         self._position = {int(r): i for i, r in enumerate(order.numpy())}
 
@@ -179,7 +186,10 @@ class TFCollectiveCommunicator(Communicator):
         fixed_group: str = "control",
         merge_op: str = "Add",
         lane: int | None = None,
+        timed: bool = False,
     ) -> tf.Tensor:
+        """One collective. `timed`: it has the timeout even where the coordination service watches (once
+        a process, at start-up: one thread for the timeout, not one per collective)."""
         members = sorted(members)
         # A lane's collectives are a group of their own, ordered by their own token (LANES).
         key = _group_key(members if lane is None else [f"lane{lane}", *members])
@@ -205,7 +215,7 @@ class TFCollectiveCommunicator(Communicator):
             "instance_key": instance_key,
             "ordering_token": [token.handle],
             "communication_hint": "auto",
-            "timeout_seconds": timeout_seconds(),
+            "timeout_seconds": timeout_seconds() if timed else self._op_timeout,
         }
         try:
             with tf.device(self.device):
