@@ -137,7 +137,7 @@ def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp
 
 @pytest.mark.multiprocess
 def test_a_hanging_worker_is_lost_after_the_timeout(tmp_path: Path) -> None:
-    """SIGSTOP: the others' collectives time out (TF_ADASUM_TIMEOUT_SECONDS), they leave, and the
+    """SIGSTOP: the coordination service's heartbeats abort the others' collectives, they leave, and the
     launcher kills the stopped process as hung; the job finishes with two."""
     code, log, seconds = launch(
         tmp_path, "strategy", 3, "--min-np", "2", "--standbys", "1", env={"FAULT": "0:1:2:stop"}
