@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,33 @@ def test_errors_raised_inside_a_compiled_step_come_back_as_tf_adasums() -> None:
         tf_adasum.NonFiniteUpdateError, match=r"^the update of rank\(s\) \[1\] is not finite$"
     ):
         errors.translate_errors(step, engine.current)(tf.ones(2))
+
+
+def test_a_lost_peer_error_says_which_watcher_noticed_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_ADASUM_TIMEOUT_SECONDS", "15")
+    comm = types.SimpleNamespace(rank=0, size=3, peer_of=lambda message: 1 if "task:1" in message else None)
+    heartbeats = tf.errors.UnavailableError(
+        None,
+        None,
+        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
+        "tasks are unhealthy (stopped sending heartbeats):",
+    )
+    told = str(errors.translate(heartbeats, comm))
+    assert told.startswith("rank 0: lost rank 1 during a compiled step (TensorFlow's coordination service ")
+    assert "TF_ADASUM_TIMEOUT_SECONDS" not in told
+    unanswered = tf.errors.DeadlineExceededError(
+        None,
+        None,
+        "Collective ops is aborted by: Deadline Exceeded\n\nRPC: /tensorflow.CoordinationService/Heartbeat",
+    )
+    told = str(errors.translate(unanswered, comm))
+    assert "(TensorFlow's coordination service did not answer this process's heartbeats: its host" in told
+    assert told.endswith("DeadlineExceededError: Collective ops is aborted by: Deadline Exceeded")
+    timed_out = tf.errors.DeadlineExceededError(None, None, "Collective has timed out waiting for others")
+    assert "did not answer within TF_ADASUM_TIMEOUT_SECONDS=15 s" in str(errors.translate(timed_out, comm))
+    closed = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert "(the connection to it failed: it died or is cut off)" in str(errors.translate(closed, comm))
+    assert str(errors.translate(closed, comm)).startswith("rank 0: lost a peer during")
 
 
 def test_engine_detection_reads_horovodrun_and_the_launchers() -> None:

@@ -126,8 +126,9 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str, out: Path
 
 @pytest.mark.parametrize("launcher", ["mpi", "tf"])
 def test_a_cut_link_gives_every_rank_a_peer_error_naming_the_peer(launcher: str, tmp_path: Path) -> None:
-    """A pulled cable mid-step: no connection closes, so only the peer timeout can tell. Each side
-    raises PeerError naming the rank beyond the cut within the timeout, and nothing hangs."""
+    """A pulled cable mid-step: no connection closes, so only a timeout can tell (the MPI engine's own, or
+    the TF engine's coordination service's heartbeats). Each side raises PeerError naming the rank beyond
+    the cut within the timeout, and nothing hangs."""
     require_cluster()
     with cluster.Cluster(hosts=2, name="tfac", rate="1gbit") as hosts:
         extra = {"TF_ADASUM_TIMEOUT_SECONDS": str(int(CUT_PEER_TIMEOUT))}
@@ -161,6 +162,11 @@ def test_a_cut_link_gives_every_rank_a_peer_error_naming_the_peer(launcher: str,
         assert result["message"].startswith(f"rank {r}:") and any(p in result["message"] for p in peer), (
             result
         )
+        # It says which watcher noticed: the MPI engine's own timeout; under the TF engine, TensorFlow's
+        # coordination service, on the rank that runs it and on the other.
+        timeout = f"within {int(CUT_PEER_TIMEOUT)} s (TF_ADASUM_TIMEOUT_SECONDS)"
+        watcher = timeout if launcher == "mpi" else "coordination service"
+        assert watcher in result["message"], result
         # Within the timeout of the last call that went through (at most one call before the cut).
         assert result["at"] - cut_at < CUT_PEER_TIMEOUT + 20, (result["at"] - cut_at, result)
 

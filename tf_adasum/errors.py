@@ -67,11 +67,31 @@ def translate(error: tf.errors.OpError, comm: Any) -> Exception | None:
         peer = comm.peer_of(error.message)
         who = f"rank {peer}" if peer is not None else "a peer"
         return PeerError(
-            f"rank {comm.rank}: lost {who} during a compiled step (it died, hangs, or did not answer within "
-            f"TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s): "
-            f"{type(error).__name__}: {_cause(error.message)}"
+            f"rank {comm.rank}: lost {who} during a compiled step ({how_lost(error)}): "
+            f"{type(error).__name__}: {cause(error.message)}"
         )
     return None
+
+
+def how_lost(error: tf.errors.OpError) -> str:
+    """Which watcher noticed a lost peer, as the collective runtime's error tells it.
+
+    The TF engine's collectives wait on TensorFlow's coordination service, whose heartbeats notice a peer
+    that died, hangs or is cut off; a collective given TF_ADASUM_TIMEOUT_SECONDS ends with
+    DeadlineExceededError; a peer whose process ended closes its connections.
+    """
+    if "stopped sending heartbeats" in error.message:
+        return (
+            "TensorFlow's coordination service stopped hearing its heartbeats: it died, hangs or is cut off"
+        )
+    if "CoordinationService/Heartbeat" in error.message:  # told on the tasks that the service is not on
+        return (
+            "TensorFlow's coordination service did not answer this process's heartbeats: its host died, "
+            "hangs or is cut off"
+        )
+    if isinstance(error, tf.errors.DeadlineExceededError):
+        return f"it did not answer within TF_ADASUM_TIMEOUT_SECONDS={timeout_seconds():.0f} s"
+    return "the connection to it failed: it died or is cut off"
 
 
 def translate_errors(fn: Callable[..., Any], current_comm: Callable[[], Any]) -> Callable[..., Any]:
@@ -99,7 +119,7 @@ def translate_errors(fn: Callable[..., Any], current_comm: Callable[[], Any]) ->
     return wrapped
 
 
-def _cause(message: str) -> str:
+def cause(message: str) -> str:
     """The line of a TensorFlow error message that says what failed, not where it was defined."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     for line in lines:  # the runtime's own account, e.g. "Collective ops is aborted by: <reason>"

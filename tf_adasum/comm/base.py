@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.errors import PeerError, timeout_seconds
+from tf_adasum.errors import PeerError, cause, how_lost
 
 
 class Communicator(abc.ABC):
@@ -55,8 +55,8 @@ class Communicator(abc.ABC):
         among = members or range(self.size)
         others = [named] if named is not None else [m for m in among if m != self.rank]
         return PeerError(
-            f"rank {self.rank}: {what} with rank(s) {others} failed within {timeout_seconds():.0f} s "
-            f"(TF_ADASUM_TIMEOUT_SECONDS): {error.message.strip().splitlines()[0]}"
+            f"rank {self.rank}: {what} with rank(s) {others} failed ({how_lost(error)}): "
+            f"{cause(error.message)}"
         )
 
     @abc.abstractmethod
