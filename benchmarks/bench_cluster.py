@@ -26,6 +26,8 @@ processes on each), on one cluster of max(H) hosts whose every link is reshaped 
     buckets    benchmarks/bench_fit.py --processes --buckets (TF engine): a tape loop's step with Adasum of
                the gradients (DistributedGradientTape(op=Adasum)) in one call against gradient buckets
                of each --bucket-megabytes, overlapping the backward pass
+    fit-buckets the same for model.fit's step under AdasumStrategy (bench_fit.py --bucket-loop fit):
+               Adasum of the optimizer's deltas in one call against buckets
     local      benchmarks/bench_allreduce.py --devices-per-process 2 (first layout with one process per
                host): the strategy's sync with local_reduction "adasum" and "mean" against the sum
 
@@ -258,10 +260,23 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                 if "fit" in args.parts:
                     fit = ["--processes", "--models", *args.fit_models, "--steps", str(args.fit_steps)]
                     jobs.append(("fit", "tf", "bench_fit.py", fit))
-                if "buckets" in args.parts:
-                    bucketed = ["--processes", "--models", *args.fit_models, "--steps", str(args.fit_steps)]
-                    bucketed += ["--buckets", "0", *map(str, args.bucket_megabytes)]
-                    jobs.append(("buckets", "tf", "bench_fit.py", bucketed))
+                for part, loop in (("buckets", "tape"), ("fit-buckets", "fit")):
+                    if part in args.parts:
+                        bucketed = [
+                            "--processes",
+                            "--models",
+                            *args.fit_models,
+                            "--steps",
+                            str(args.fit_steps),
+                        ]
+                        bucketed += [
+                            "--buckets",
+                            "0",
+                            *map(str, args.bucket_megabytes),
+                            "--bucket-loop",
+                            loop,
+                        ]
+                        jobs.append((part, "tf", "bench_fit.py", bucketed))
                 if (
                     "local" in args.parts
                     and slots == 1
@@ -402,18 +417,19 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 f"| {r['rate']} | {r['layout']} | {r['model']} | {r['adasum_ms']} "
                 f"| {r.get('baseline_ms', '')} | {r.get('ratio', '')} |"
             )
-    bucketed = [r for r in rows if r.get("part") == "buckets" and "step_ms" in r]
+    bucketed = [r for r in rows if r.get("part") in ("buckets", "fit-buckets") and "step_ms" in r]
     if bucketed:
         lines += [
             "",
-            "| rate | layout | model | bucket MB (0: one call) | tape step ms | rounds ms | vs one call |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| rate | layout | model | step | bucket MB (0: one call) | step ms | rounds ms | vs one call |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in bucketed:
             rounds = ", ".join(map(str, r["rounds_ms"]))
+            step = "fit, deltas" if r["part"] == "fit-buckets" else "tape, gradients"
             lines.append(
-                f"| {r['rate']} | {r['layout']} | {r['model']} | {r['bucket_mb']:g} | {r['step_ms']} "
-                f"| {rounds} | {r['vs_first']} |"
+                f"| {r['rate']} | {r['layout']} | {r['model']} | {step} | {r['bucket_mb']:g} "
+                f"| {r['step_ms']} | {rounds} | {r['vs_first']} |"
             )
     local = [r for r in rows if r.get("part") == "local" and "mean_ms" in r]
     if local:
@@ -502,7 +518,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--parts", nargs="+", default=["allreduce", "horovod", "fit", "local"],
-        choices=["allreduce", "exchange", "horovod", "fit", "buckets", "local"],
+        choices=["allreduce", "exchange", "horovod", "fit", "buckets", "fit-buckets", "local"],
     )  # fmt: skip
     parser.add_argument("--engines", nargs="+", default=["mpi", "tf"], choices=["mpi", "tf"])
     parser.add_argument("--megabytes", type=int, nargs="*", default=[16, 64])

@@ -15,6 +15,8 @@ Usage:
     mpirun -np 2 python benchmarks/bench_fit.py --loops --processes
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --buckets 0 4 16
                                                         # gradient buckets in a tape loop
+    python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --buckets 0 4 --bucket-loop fit
+                                                        # delta buckets in model.fit's step
 
 With --loops, the same model's step as a custom training loop: locally, TensorFlow's tutorial loop
 (strategy.run, a plain optimizer's apply_gradients) under AdasumStrategy against model.fit under it
@@ -29,7 +31,9 @@ of the gradients before the optimizer, as Horovod's op=Adasum) with $TF_ADASUM_B
 0 is one fused call after the whole backward pass, the baseline; each other value cuts the gradients
 into buckets of that size from the last layer back, each all-reduced as soon as its gradients exist
 while the backward pass goes on. The sizes are measured in alternating rounds (--rounds); each row
-gives the mean of the rounds' medians and its ratio to one call.
+gives the mean of the rounds' medians and its ratio to one call. With --bucket-loop fit, the same for
+model.fit's step under AdasumStrategy: Adasum of the optimizer's deltas, whose buckets each wait
+for their own variables' updates only.
 
 With --scripts, every process runs a plain Keras fit (one replica per process, no strategy) three ways
 in the same run: alone, with no communication at all (the single-process baseline); with
@@ -281,24 +285,44 @@ def tape_loop_step_ms(kind: str, local_batch: int, steps: int, how: str, warmup:
     return 1e3 * statistics.median(times)
 
 
-def buckets(kind: str, local_batch: int, steps: int, sizes: list[float], rounds: int) -> None:
-    """The --buckets rows: the tape loop's step with Adasum of the gradients, one call against buckets."""
+def buckets(kind: str, local_batch: int, steps: int, sizes: list[float], rounds: int, loop: str) -> None:
+    """The --buckets rows, one call against buckets: the tape loop's step with Adasum of the gradients
+    (loop "tape"), or model.fit's step under AdasumStrategy, with Adasum of the optimizer's deltas
+    (loop "fit")."""
     import tf_adasum
 
     comm = tf_adasum.init()
+
+    def step_ms() -> float:
+        if loop == "tape":
+            return tape_loop_step_ms(kind, local_batch, steps, "adasum_gradients")
+        strategy = tf_adasum.AdasumStrategy(devices=own_cpus(comm, 1))
+        return fit_step_ms(strategy, kind, local_batch * comm.size, steps)
+
     medians: dict[float, list[float]] = {size: [] for size in sizes}
     for _ in range(rounds):
         for size in sizes:
             os.environ["TF_ADASUM_BUCKET_MB"] = str(size)  # read when the step is traced
-            medians[size].append(tape_loop_step_ms(kind, local_batch, steps, "adasum_gradients"))
+            medians[size].append(step_ms())
     one = statistics.mean(medians[sizes[0]])
     for size in sizes:
         ms = statistics.mean(medians[size])
-        row = {"model": kind, "processes": comm.size, "engine": comm.engine, "bucket_mb": size}
+        row = {"model": kind, "processes": comm.size, "engine": comm.engine, "loop": loop, "bucket_mb": size}
         row |= {"step_ms": round(ms, 2), "rounds_ms": [round(m, 2) for m in medians[size]]}
         row |= {"vs_first": round(ms / one, 3)}
         if comm.rank == 0:
             print(json.dumps(row), flush=True)
+
+
+def own_cpus(comm: Any, count: int) -> list[str]:
+    """This process's first `count` logical CPUs (the TF engine lists every process's; keep its own)."""
+    import tensorflow as tf
+
+    return [
+        d.name
+        for d in tf.config.list_logical_devices("CPU")
+        if "/task:" not in d.name or f"/task:{comm.rank}/" in d.name
+    ][:count]
 
 
 def loops(kind: str, replicas: list[int], local_batch: int, steps: int, processes: bool) -> None:
@@ -363,6 +387,12 @@ def main() -> None:
         help="with --processes: $TF_ADASUM_BUCKET_MB values, the first the baseline",
     )
     parser.add_argument("--rounds", type=int, default=3, help="with --buckets: alternating rounds")
+    parser.add_argument(
+        "--bucket-loop",
+        choices=["tape", "fit"],
+        default="tape",
+        help="with --buckets: a tape loop's gradients, or model.fit's deltas under AdasumStrategy",
+    )
     args = parser.parse_args()
 
     import tensorflow as tf
@@ -382,7 +412,7 @@ def main() -> None:
         import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
 
         for kind in args.models:
-            buckets(kind, args.local_batch, args.steps, args.buckets, args.rounds)
+            buckets(kind, args.local_batch, args.steps, args.buckets, args.rounds, args.bucket_loop)
         return
     if args.scripts:
         import tf_adasum  # under tf_adasum.run this starts the TF engine, before any op
@@ -401,12 +431,7 @@ def main() -> None:
         if args.processes:
             comm = tf_adasum.init()
             per_process = args.devices_per_process
-            # This process's logical CPUs (the TF engine lists every process's; keep its own).
-            mine = [
-                d.name
-                for d in tf.config.list_logical_devices("CPU")
-                if "/task:" not in d.name or f"/task:{comm.rank}/" in d.name
-            ][:per_process]
+            mine = own_cpus(comm, per_process)
             global_batch = args.local_batch * comm.size * per_process
             row = {
                 "model": kind,

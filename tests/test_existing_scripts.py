@@ -26,7 +26,7 @@ WORKER = ["-m", "tests.workers.existing_scripts"]
 # tf_adasum.keras (check_horovod_run): the worker's modes, chained in one launch.
 CALLBACK_MODES = "callback,mixed_precision,orthogonality"
 HOROVOD_MODES = "example,average,accumulate,lazy,local_variables,sparse,resume_on_rank_0"
-FAILURE_MODES = "nan,uneven_known,uneven_unknown"
+FAILURE_MODES = "nan,uneven_known,uneven_unknown,uneven_buckets"
 
 
 def launch(launcher: str, p: int, out: Path, modes: str, peer_timeout: str | None = None) -> int:
@@ -228,6 +228,7 @@ def test_a_nan_or_uneven_data_stops_every_rank_with_the_same_error(three_process
         ("nan", "NonFiniteUpdateError", kernel),
         ("uneven_known", "UnevenDataError", re.escape("(rank 0: 4, rank 1: 3, rank 2: 4)")),
         ("uneven_unknown", "UnevenDataError", ran_out),
+        ("uneven_buckets", "UnevenDataError", ran_out),
     ]:
         infos, _ = load(three_processes[1], case, 3)
         for r in range(3):

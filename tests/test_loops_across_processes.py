@@ -157,6 +157,18 @@ def check_groups(out: Path, p: int) -> None:
             same_everywhere(got)
             for a, b in zip(got[0], average[0], strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{op} {way}")
+    # Adasum after the optimizer, in one sync of the deltas and in buckets: the same bits; the first
+    # bucket's sync waits only for the last bias's gradient, and each of the six variables has its own.
+    _, one = load(out, "delta_buckets_one_", p)
+    _, bucketed = load(out, "delta_buckets_bucket_", p)
+    same_everywhere(one)
+    same_everywhere(bucketed)
+    for a, b in zip(bucketed[0], one[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    infos, _ = load(out, "delta_buckets_traced_", p)
+    for info in infos:
+        assert info["waits"] == {"one": [True] * 6, "bucket": [False] * 5 + [True]}, info
+        assert info["syncs"]["bucket"] == 6 * info["syncs"]["one"] > 0, info  # a sync per variable
     infos, _ = load(out, "groups_traced_", p)
     for info in infos:  # the MLP's six variables: kernel and bias of three layers
         assert info["waits"] == {

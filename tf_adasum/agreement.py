@@ -24,8 +24,9 @@ and in full (to say which tensor differs how) by gathering every rank's tensor s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -197,11 +198,35 @@ def agree(
 # its data's all-gather (agree_and_gather, TF engine), or None when its codes went by agree(). A rank at
 # its epoch end must meet the others' next sync in the same collective: it issues that one.
 _last_sync_layout: list[tuple[tf.DType, int] | None] = [None]
+# While one step's syncs are traced one after another (one_step_of_syncs): whether the first has been.
+_step_of_syncs: list[bool | None] = [None]
 
 
 def traced_sync(layout: tuple[tf.DType, int] | None) -> None:
-    """Called where a compiled sync is traced: its codes go with its data (the layout) or alone (None)."""
+    """Called where a compiled sync is traced: its codes go with its data (the layout) or alone (None).
+
+    Within one_step_of_syncs, only the step's first sync counts: its collective runs first (the engine
+    orders a step's collectives as they were traced), and it is where a rank at its epoch end meets
+    the others."""
+    if _step_of_syncs[0]:
+        return
     _last_sync_layout[0] = layout
+    if _step_of_syncs[0] is not None:
+        _step_of_syncs[0] = True
+
+
+@contextlib.contextmanager
+def one_step_of_syncs() -> Iterator[None]:
+    """While a step's syncs are traced in turn (gradient groups, buckets of deltas): the first one is
+    the sync an epoch end meets."""
+    outer = _step_of_syncs[0]
+    if outer is None:
+        _step_of_syncs[0] = False
+    try:
+        yield
+    finally:
+        if outer is None:
+            _step_of_syncs[0] = None
 
 
 def agree_at_epoch_end(comm: Communicator, batches: int) -> None:

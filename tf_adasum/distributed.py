@@ -294,12 +294,13 @@ def allreduce_grouped(
 ) -> list[Any]:
     """allreduce_compressed of each group in turn (gradient_groups' order): one fused call per group."""
     out: list[Any] = [None] * len(tensors)
-    for index in groups:
-        reduced = allreduce_compressed(
-            [tensors[i] for i in index], op, compression, [names[i] for i in index]
-        )
-        for i, tensor in zip(index, reduced, strict=True):
-            out[i] = tensor
+    with agreement.one_step_of_syncs():  # the first group's sync is where an epoch end meets this step
+        for index in groups:
+            reduced = allreduce_compressed(
+                [tensors[i] for i in index], op, compression, [names[i] for i in index]
+            )
+            for i, tensor in zip(index, reduced, strict=True):
+                out[i] = tensor
     return out
 
 

@@ -108,14 +108,23 @@ def sync_deltas(
         for r in range(replicas)
     ]
     names = [variable_name(v) for v in variables]
-    if replicas > 1 and getattr(distribution, "local_reduction", "adasum") == "mean":
-        # AdasumStrategy(local_reduction="mean"): this process's replicas averaged by TensorFlow's own
-        # cross-device all-reduce (NCCL between GPUs), then Adasum over the processes.
-        delta = distributed.allreduce_replicas(
-            [local_mean(distribution, per_replica, variables)], names, compression
-        )
-    else:
-        delta = distributed.allreduce_replicas(per_replica, names, compression)
+    mean = replicas > 1 and getattr(distribution, "local_reduction", "adasum") == "mean"
+    # In a traced step, buckets of about $TF_ADASUM_BUCKET_MB (0, the default: one call), the last
+    # variables' first: each bucket's sync waits only for its own variables' updates, which wait only
+    # for their own gradients, so it starts while the backward pass computes the earlier layers'.
+    # Every tensor keeps its own coefficients, so no bit of the result depends on the buckets.
+    delta: list[Any] = [None] * len(variables)
+    with agreement.one_step_of_syncs():
+        for index in distributed.gradient_groups(per_replica[0] if replicas else [], None, None, "the sync"):
+            part = [[deltas[i] for i in index] for deltas in per_replica]
+            if mean:
+                # AdasumStrategy(local_reduction="mean"): this process's replicas averaged by
+                # TensorFlow's own cross-device all-reduce (NCCL between GPUs), then Adasum over the
+                # processes.
+                part = [local_mean(distribution, part, [variables[i] for i in index])]
+            combined = distributed.allreduce_replicas(part, [names[i] for i in index], compression)
+            for i, value in zip(index, combined, strict=True):
+                delta[i] = value
     deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
     if distributed.init().size > 1:
         if deltas_sq is not None:

@@ -20,6 +20,7 @@ Modes:
     nan                 a NaN in rank 1's third batch under AdasumCallback
     uneven_known        rank 1 has one batch fewer, the length known
     uneven_unknown      rank 1 runs out of a generator's batches first
+    uneven_buckets      the same, with the model's sync in buckets ($TF_ADASUM_BUCKET_MB)
     killed              rank 1 dies mid-epoch (SIGKILL); BackupAndRestore saves every 2 batches
     hung                rank 1 hangs mid-epoch instead
     resume_from_backup  the killed job's fit again: it resumes from the backup
@@ -380,7 +381,7 @@ def uneven_known(out: Path) -> None:
     save(out, "uneven_known", seen)
 
 
-def uneven_unknown(out: Path) -> None:
+def uneven_unknown(out: Path, name: str = "uneven_unknown") -> None:
     """Unknown length (a generator): rank 1 runs out after 2 batches, the others have 4."""
     rank = tf_adasum.init().rank
     x, y = shard(rank)
@@ -394,7 +395,17 @@ def uneven_unknown(out: Path) -> None:
     data = tf.data.Dataset.from_generator(batches, output_signature=spec)
     model = linear_model(rank, make_optimizer("sgd_momentum"))
     seen = outcome(lambda: model.fit(data, epochs=2, verbose=0, callbacks=[tf_adasum.AdasumCallback()]))
-    save(out, "uneven_unknown", seen)
+    save(out, name, seen)
+
+
+def uneven_buckets(out: Path) -> None:
+    """uneven_unknown with the sync in buckets, one per variable: the bias's sync goes first, and the
+    rank at its epoch end must meet the others there, not at the kernel's."""
+    os.environ["TF_ADASUM_BUCKET_MB"] = "1e-6"  # 1 byte; read when the train step is traced
+    try:
+        uneven_unknown(out, "uneven_buckets")
+    finally:
+        del os.environ["TF_ADASUM_BUCKET_MB"]
 
 
 class DieAt(keras.callbacks.Callback):
@@ -477,6 +488,7 @@ MODES = {
     "nan": nan,
     "uneven_known": uneven_known,
     "uneven_unknown": uneven_unknown,
+    "uneven_buckets": uneven_buckets,
     "killed": killed,
     "hung": hung,
     "resume_from_backup": resume_from_backup,

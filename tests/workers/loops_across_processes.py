@@ -41,6 +41,7 @@ import tf_adasum.tensorflow as hvd
 from tests.workers.data import BATCH, FEATURES, OUTPUTS, REPETITIONS, ROWS_PER_RANK, initial_weights, shard
 from tests.workers.dispatch import main
 from tests.workers.existing_scripts import make_optimizer, save
+from tf_adasum.distributed import allreduce_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
 tf.get_logger().setLevel("ERROR")  # the loops make fresh tf.functions on purpose: no retracing warnings
@@ -312,6 +313,49 @@ def groups(out: Path) -> None:
         waits[name] = [g.op.name in last for g in recording.local]
     os.environ.pop("TF_ADASUM_BUCKET_MB")
     save(out, "groups_traced_", {"waits": waits})
+    delta_buckets(out)
+
+
+def delta_buckets(out: Path) -> None:
+    """Adasum after the optimizer (AdasumOptimizer) in one sync and in buckets of deltas: the same bits,
+    and in the traced step the first bucket's sync waits only for its own variables' gradients."""
+    waits, syncs = {}, {}
+    for name, bucket in (("one", "0"), ("bucket", "1e-6")):  # 1 byte: one bucket per variable
+        os.environ["TF_ADASUM_BUCKET_MB"] = bucket
+        model = mlp(tf_adasum.rank())
+        opt = tf_adasum.AdasumOptimizer(make_optimizer("sgd_momentum"))
+        recording = RecordingTape(tf.GradientTape())
+        synced: list[Any] = []
+
+        def recorded(*args: Any, synced: list[Any] = synced, **kwargs: Any) -> Any:
+            synced.append(allreduce_replicas(*args, **kwargs))
+            return synced[-1]
+
+        @tf.function
+        def step(
+            xb: tf.Tensor, yb: tf.Tensor, model: Any = model, opt: Any = opt, recording: Any = recording
+        ) -> None:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            recording.tape = tape
+            grads = recording.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        x, y = shard(tf_adasum.rank())
+        tf_adasum.distributed.allreduce_replicas = recorded
+        try:
+            for s in range(ROWS_PER_RANK // BATCH):
+                step(x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
+        finally:
+            tf_adasum.distributed.allreduce_replicas = allreduce_replicas
+        save(out, f"delta_buckets_{name}_", {}, model.get_weights())
+        # The first sync traced (the last bias's bucket under buckets): which local gradients it waits for.
+        first = ancestors(synced[0][0])
+        waits[name] = [g.op.name in first for g in recording.local]
+        syncs[name] = len(synced)  # over every trace of the step (Keras may trace it twice)
+    os.environ.pop("TF_ADASUM_BUCKET_MB")
+    save(out, "delta_buckets_traced_", {"waits": waits, "syncs": syncs})
 
 
 def mismatch(out: Path) -> None:
