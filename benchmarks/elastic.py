@@ -696,7 +696,10 @@ def main() -> int:
     if args.lr is None:
         args.lr = LAMB_LR if args.model == "transformer" else ONE_WORKER_LR
     if args.smoke:
-        args.np, args.kill, args.steps, args.kill_step, args.grow_step = 3, 1, 2000, 25, 60
+        # 5,000 steps of about 5 ms: the group of 2 trains long enough after the growth notice for the
+        # pool to refill (REFILL_DELAY_SECONDS) and warm processes to import TensorFlow on busy cores.
+        # At 2,000 a loaded CI machine ended the job before the launcher posted the growth.
+        args.np, args.kill, args.steps, args.kill_step, args.grow_step = 3, 1, 5000, 25, 60
         args.eval_every, args.train_examples, args.phase_steps, args.job_timeout = 100, 4000, 100, 240
         if args.runs == list(RUNS):
             args.runs = ["adasum_failures"]
