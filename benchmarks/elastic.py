@@ -37,7 +37,7 @@ this script kills the job's process group 60 s after that.
 
 Usage:
     python benchmarks/elastic.py             # the five runs and the commit cost, ~12 min here
-    python benchmarks/elastic.py --smoke     # N = 3 -> 2 -> 3: adasum_failures and the commit cost, ~1 min
+    python benchmarks/elastic.py --smoke     # N = 3 -> 2 -> 3: adasum_failures and the commit cost, ~2 min
     python benchmarks/elastic.py --runs average_failures --skip-commit-cost   # one run again
     python benchmarks/elastic.py --model transformer --runs adasum_failures --skip-commit-cost --steps 1000
     python benchmarks/elastic.py --report    # run nothing: the tables and the plot from OUT's event files
@@ -691,7 +691,7 @@ def main() -> int:
     parser.add_argument("--job-timeout", type=float, default=600, help="the launcher's --timeout per job")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "elastic_output")
     parser.add_argument("--data", type=Path, default=ROOT / "demo_output" / "digits16_held_out.npz")
-    parser.add_argument("--smoke", action="store_true", help="N = 3 -> 2 -> 3, one short run, ~1 min")
+    parser.add_argument("--smoke", action="store_true", help="N = 3 -> 2 -> 3, one short run, ~2 min")
     args = parser.parse_args()
     if args.lr is None:
         args.lr = LAMB_LR if args.model == "transformer" else ONE_WORKER_LR
