@@ -127,11 +127,16 @@ def test_allreduce_across_processes(engine: str, p: int, forced: str, tmp_path: 
     assert sorted(info["local_rank"] for info in collectives) == list(range(p))
 
 
-def test_large_exchanges_in_lanes_give_the_tree_and_the_same_bits_everywhere(tmp_path: Path) -> None:
-    """The TF engine sends an exchange of 2 MiB or more as several collectives in lanes of their own
-    (TFCollectiveCommunicator.LANES), which run at once. Through a fold, a halving level, a gather and the
-    result to the folded rank (3 processes, VHDD), and one exchange of unequal sizes."""
-    code = launch("tf", 3, tmp_path, "lanes", {"TF_ADASUM_ALGORITHM": "vhdd"})
+@pytest.mark.parametrize("algorithm", ["vhdd", "gather"])
+def test_large_exchanges_in_lanes_give_the_tree_and_the_same_bits_everywhere(
+    algorithm: str, tmp_path: Path
+) -> None:
+    """The TF engine sends an exchange or an all-gather of 2 MiB or more as several collectives in lanes
+    of their own (TFCollectiveCommunicator.LANES), which run at once. VHDD: through a fold, a halving
+    level, a gather and the result to the folded rank (3 processes). The gather: every buffer's, and one
+    buffer's with the agreement's codes in it. Both: one exchange of unequal sizes, and a rank at its
+    epoch end against the others' traced sync, which every rank refuses with nothing left pending."""
+    code = launch("tf", 3, tmp_path, "lanes", {"TF_ADASUM_ALGORITHM": algorithm})
     assert code == 0, log_tail(tmp_path)
     results = [dict(np.load(tmp_path / f"lanes{r}.npz")) for r in range(3)]
     want = oracle.tree([lane_tensors(r) for r in range(3)])
@@ -144,6 +149,15 @@ def test_large_exchanges_in_lanes_give_the_tree_and_the_same_bits_everywhere(tmp
             np.testing.assert_array_equal(results[r][f"function_{i}"], got)
     np.testing.assert_array_equal(results[0]["exchanged"], lane_tensors(1)[0][:524289])
     np.testing.assert_array_equal(results[1]["exchanged"], lane_tensors(0)[0])
+    if algorithm == "gather":  # 3 MiB and the codes: 3 lanes of 1 MiB, the agreement in the first
+        assert int(results[0]["single_gathers"]) == 3, results[0]["single_gathers"]
+    alone = oracle.tree([lane_tensors(r)[:1] for r in range(3)])[0]
+    single = results[0]["single"]
+    np.testing.assert_allclose(single.astype(np.float64), alone, rtol=1e-5, atol=1e-5 * np.max(np.abs(alone)))
+    for r in range(3):
+        assert "ran out of data" in str(results[r]["uneven"]), results[r]["uneven"]
+        np.testing.assert_array_equal(results[r]["single"], single)
+        np.testing.assert_array_equal(results[r]["after"], single)
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])

@@ -102,6 +102,24 @@ def lanes(out: Path) -> None:
         size = 524289 if comm.rank < peer else 786433
         got = comm.exchange(peer, mine[: 786433 if comm.rank < peer else 524289], size, "lane check")
         results["exchanged"] = got.numpy()
+    # One buffer alone: compiled, its agreement goes in its own all-gather where the algorithm is the
+    # gather (agree_and_gather, in lanes at this size).
+    single = tf.function(lambda t: tf_adasum.allreduce([t]))
+    results["single"] = saved(single(tensors[0])[0])
+    operations = single.get_concrete_function(tensors[0]).graph.get_operations()
+    results["single_gathers"] = np.array(sum(op.type == "CollectiveGatherV2" for op in operations))
+    # Rank 0 at its epoch end while the others run that traced sync again: every rank raises
+    # UnevenDataError (raised by the traced sync's check as InvalidArgumentError, in a tf.function of
+    # the script's own), and no collective of the sync is left pending (the next sync gives the same bits).
+    try:
+        if comm.rank == 0:
+            agreement.agree_at_epoch_end(comm, 7)
+        else:
+            single(tensors[0])
+        results["uneven"] = np.array("no error")
+    except (tf_adasum.UnevenDataError, tf.errors.InvalidArgumentError) as error:
+        results["uneven"] = np.array(str(error))
+    results["after"] = saved(single(tensors[0])[0])
     np.savez(out / f"lanes{comm.rank}.npz", **results)
 
 

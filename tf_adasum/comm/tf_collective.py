@@ -296,8 +296,21 @@ class TFCollectiveCommunicator(Communicator):
         return tf.gather(gathered, by_rank)
 
     def allgather(self, tensor: tf.Tensor) -> tf.Tensor:
-        with timeline.ops_phase("allgather", ranks=self.size):
-            gathered = self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather")
+        """Every rank's `tensor`, stacked in rank order. A tensor of 2 * LANE_BYTES or more goes in lanes,
+        as an exchange does."""
+        n = tensor.shape.num_elements() or 0  # unknown: one collective
+        lanes = max(1, min(self.LANES, n * tensor.dtype.size // self.LANE_BYTES))
+        with timeline.ops_phase("allgather", ranks=self.size, lanes=lanes):
+            if lanes == 1:
+                gathered = self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather")
+            else:
+                row = tf.reshape(tensor, [1, n])
+                bounds = [n * lane // lanes for lane in range(lanes + 1)]
+                parts = [
+                    self._gather(row[:, lo:hi], range(self.size), "allgather", lane)
+                    for lane, (lo, hi) in enumerate(itertools.pairwise(bounds))
+                ]
+                gathered = tf.reshape(tf.concat(parts, 1), [-1, *tensor.shape])
         stacked = self._in_rank_order(gathered)
         stacked.set_shape([self.size, *tensor.shape])
         return stacked
@@ -339,16 +352,34 @@ class TFCollectiveCommunicator(Communicator):
         the first elements of its row. Returns ([size, 3] codes, [size, len(buffer)] rows), in rank order.
 
         Like agree it has a fixed key, one per dtype and length, so a rank's eager call (an epoch end
-        with a zero buffer of the same layout) meets another's call from a traced train step.
+        with a zero buffer of the same layout) meets another's call from a traced train step. A row of
+        2 * LANE_BYTES or more goes in lanes, as an exchange does, each with a fixed key of its own; the
+        codes come out only once every lane has arrived, so an error they raise (an epoch end, a NaN)
+        leaves no collective of this call pending on any rank.
         """
         words = tf.reshape(tf.bitcast(codes, buffer.dtype), [-1])  # int64 [3] -> [3 * 8 / itemsize]
         layout = f"{buffer.dtype.name}:{int(buffer.shape[0])}".encode()
         instance = 1 + int.from_bytes(hashlib.sha256(layout).digest()[:4], "little") % (1 << 30)
-        payload = tf.expand_dims(tf.concat([words, buffer], 0), 0)
+        payload = tf.concat([words, buffer], 0)
         if buffer.dtype == tf.bfloat16:  # the runtime gathers no bfloat16: its bits travel as float16
             payload = tf.bitcast(payload, tf.float16)
-        with timeline.ops_phase("agreement and allgather", what=what, ranks=self.size):
-            gathered = self._collective("gather", payload, range(self.size), what, instance, "sync")
+        n = int(payload.shape[0])
+        lanes = max(1, min(self.LANES, n * buffer.dtype.size // self.LANE_BYTES))
+        bounds = [n * lane // lanes for lane in range(lanes + 1)]
+        with timeline.ops_phase("agreement and allgather", what=what, ranks=self.size, lanes=lanes):
+            parts = [
+                self._collective(
+                    "gather",
+                    tf.expand_dims(payload[lo:hi], 0),
+                    range(self.size),
+                    what,
+                    instance,
+                    "sync" if lanes == 1 else f"sync lane {lane}",
+                    lane=None if lanes == 1 else lane,
+                )
+                for lane, (lo, hi) in enumerate(itertools.pairwise(bounds))
+            ]
+            gathered = parts[0] if lanes == 1 else tf.concat(parts, 1)
         if buffer.dtype == tf.bfloat16:
             gathered = tf.bitcast(gathered, tf.bfloat16)
         stacked = self._in_rank_order(gathered)
