@@ -21,8 +21,9 @@ processes on each), on one cluster of max(H) hosts whose every link is reshaped 
                and 4 lanes: what TensorFlow's collective runtime makes of the wire
     horovod    the same worker with --horovod: Horovod's Adasum (MPI) in its own mpirun job, right
                after tf_adasum's (Horovod's background thread slows other MPI traffic in its process)
-    fit        benchmarks/bench_fit.py --processes (TF engine): AdasumStrategy's fit step against
-               MultiWorkerMirroredStrategy's, in the same job
+    fit        benchmarks/bench_fit.py --processes (TF engine): AdasumStrategy's fit step, and the same
+               step as a custom loop, against MultiWorkerMirroredStrategy's custom loop (its fit is
+               broken upstream), in alternating rounds (--fit-rounds) of the same job
     buckets    benchmarks/bench_fit.py --processes --buckets (TF engine): a tape loop's step with Adasum of
                the gradients (DistributedGradientTape(op=Adasum)) in one call against gradient buckets
                of each --bucket-megabytes, overlapping the backward pass
@@ -259,6 +260,7 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                     jobs.append(("horovod", "mpi", "cluster_worker.py", [*common, "--horovod"]))
                 if "fit" in args.parts:
                     fit = ["--processes", "--models", *args.fit_models, "--steps", str(args.fit_steps)]
+                    fit += ["--rounds", str(args.fit_rounds)]
                     jobs.append(("fit", "tf", "bench_fit.py", fit))
                 for part, loop in (("buckets", "tape"), ("fit-buckets", "fit")):
                     if part in args.parts:
@@ -409,13 +411,15 @@ def tables(rows: list[dict[str, Any]]) -> str:
     if fit:
         lines += [
             "",
-            "| rate | layout | model | AdasumStrategy ms | MultiWorkerMirroredStrategy ms | ratio |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| rate | layout | model | AdasumStrategy fit ms | AdasumStrategy loop ms "
+            "| MultiWorkerMirroredStrategy loop ms | fit ratio | loop ratio |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in fit:
             lines.append(
                 f"| {r['rate']} | {r['layout']} | {r['model']} | {r['adasum_ms']} "
-                f"| {r.get('baseline_ms', '')} | {r.get('ratio', '')} |"
+                f"| {r.get('adasum_loop_ms', '')} | {r.get('baseline_ms', '')} | {r.get('ratio', '')} "
+                f"| {r.get('loop_ratio', '')} |"
             )
     bucketed = [r for r in rows if r.get("part") in ("buckets", "fit-buckets") and "step_ms" in r]
     if bucketed:
@@ -527,6 +531,7 @@ def main() -> None:
     parser.add_argument("--bytes-calls", type=int, default=2)
     parser.add_argument("--fit-models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--fit-steps", type=int, default=20)
+    parser.add_argument("--fit-rounds", type=int, default=3, help="alternating rounds of the fit part")
     parser.add_argument(
         "--bucket-megabytes", type=float, nargs="+", default=[4, 16], help="buckets: against one call"
     )

@@ -18,6 +18,12 @@ Usage:
     python -m tf_adasum.run -np 2 benchmarks/bench_fit.py --processes --buckets 0 4 --bucket-loop fit
                                                         # delta buckets in model.fit's step
 
+With --processes, each process holds one replica (or --devices-per-process): AdasumStrategy's fit
+step; under the TF engine also MultiWorkerMirroredStrategy's step, the baseline, as a custom loop (its
+fit is broken upstream), and the same custom loop under AdasumStrategy, so that the row tells what fit
+costs beyond a loop (ratio against loop_ratio) from what the sync costs beyond the sum (loop_ratio).
+Each is measured in --rounds alternating rounds; a row gives the rounds' mean.
+
 With --loops, the same model's step as a custom training loop: locally, TensorFlow's tutorial loop
 (strategy.run, a plain optimizer's apply_gradients) under AdasumStrategy against model.fit under it
 (loop_vs_fit) and against the same loop under MirroredStrategy (loop_vs_mirrored_loop); across
@@ -361,6 +367,30 @@ def loops(kind: str, replicas: list[int], local_batch: int, steps: int, processe
         print(json.dumps(row), flush=True)
 
 
+def process_steps(comm: Any, kind: str, mine: list[str], global_batch: int, args: Any) -> dict[str, float]:
+    """One round of --processes: AdasumStrategy's fit step (per local_reduction where several devices),
+    with each other sync_every, and under the TF engine MultiWorkerMirroredStrategy's custom loop (its
+    fit is broken upstream, keras-team/keras#20585) and the same custom loop under AdasumStrategy, so
+    that fit's own cost per step and the sync's are told apart."""
+    import tf_adasum
+
+    steps: dict[str, float] = {}
+    per_process = args.devices_per_process
+    for mode in ("adasum", "mean") if per_process > 1 else ("adasum",):
+        strategy = tf_adasum.AdasumStrategy(devices=mine, local_reduction=mode)
+        steps[mode] = fit_step_ms(strategy, kind, global_batch, args.steps)
+    for every in (k for k in args.sync_every if k != 1):  # sync_every=k across processes
+        strategy = tf_adasum.AdasumStrategy(devices=mine, sync_every=every)
+        steps[f"adasum_sync_every_{every}"] = fit_step_ms(strategy, kind, global_batch, args.steps)
+    if comm.engine == "tf":
+        # MultiWorkerMirroredStrategy holds one CPU device per worker: the same global batch over one
+        # replica per process.
+        steps["baseline"] = custom_loop_step_ms(comm.strategy, kind, global_batch, args.steps)
+        strategy = tf_adasum.AdasumStrategy(devices=mine)
+        steps["adasum_loop"] = custom_loop_step_ms(strategy, kind, global_batch, args.steps)
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -386,7 +416,9 @@ def main() -> None:
         nargs="+",
         help="with --processes: $TF_ADASUM_BUCKET_MB values, the first the baseline",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="with --buckets: alternating rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --buckets or --processes: alternating rounds"
+    )
     parser.add_argument(
         "--bucket-loop",
         choices=["tape", "fit"],
@@ -439,31 +471,25 @@ def main() -> None:
                 "devices_per_process": per_process,
                 "engine": comm.engine,
             }
-            modes = ("adasum", "mean") if per_process > 1 else ("adasum",)
-            for mode in modes:
-                strategy = tf_adasum.AdasumStrategy(devices=mine, local_reduction=mode)
-                row[f"{mode}_ms"] = round(fit_step_ms(strategy, kind, global_batch, args.steps), 2)
-            for every in (k for k in args.sync_every if k != 1):  # sync_every=k across processes
-                strategy = tf_adasum.AdasumStrategy(devices=mine, sync_every=every)
-                step = fit_step_ms(strategy, kind, global_batch, args.steps)
-                row[f"adasum_sync_every_{every}_ms"] = round(step, 2)
-            adasum = row["adasum_ms"]
-            # MultiWorkerMirroredStrategy holds one CPU device per worker: the same global batch over
-            # one replica per process.
-            baseline_name = "MultiWorkerMirroredStrategy (custom loop)"
-            baseline = (
-                custom_loop_step_ms(comm.strategy, kind, global_batch, args.steps)
-                if comm.engine == "tf"
-                else None
-            )
-            if baseline is not None and per_process > 1:
-                row["mean_ratio"] = round(row["mean_ms"] / baseline, 2)
-            if baseline is not None:
+            # Each step measured in every round, the rounds one after another (alternating, so that a
+            # slow spell of this shared machine falls on all of them); a row holds the rounds' mean.
+            rounds: dict[str, list[float]] = {}
+            for _ in range(args.rounds):
+                for name, step in process_steps(comm, kind, mine, global_batch, args).items():
+                    rounds.setdefault(name, []).append(step)
+            row |= {f"{name}_ms": round(statistics.mean(steps), 2) for name, steps in rounds.items()}
+            if args.rounds > 1:
+                row |= {f"{name}_rounds_ms": [round(s, 2) for s in steps] for name, steps in rounds.items()}
+            if "baseline" in rounds:
+                baseline = row.pop("baseline_ms")
                 row |= {
-                    "baseline": baseline_name,
-                    "baseline_ms": round(baseline, 2),
-                    "ratio": round(adasum / baseline, 2),
+                    "baseline": "MultiWorkerMirroredStrategy (custom loop)",
+                    "baseline_ms": baseline,
+                    "ratio": round(row["adasum_ms"] / baseline, 2),
+                    "loop_ratio": round(row["adasum_loop_ms"] / baseline, 2),
                 }
+                if per_process > 1:
+                    row["mean_ratio"] = round(row["mean_ms"] / baseline, 2)
             if comm.rank == 0:
                 print(json.dumps(row), flush=True)
             continue
