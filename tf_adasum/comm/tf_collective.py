@@ -252,6 +252,12 @@ class TFCollectiveCommunicator(Communicator):
                 return r
         return None
 
+    def _lane_bounds(self, n: int, itemsize: int) -> list[int]:
+        """Where a row of n elements of itemsize bytes is cut into lanes: one per LANE_BYTES, at most
+        LANES, one (no cut) below 2 * LANE_BYTES."""
+        lanes = max(1, min(self.LANES, n * itemsize // self.LANE_BYTES))
+        return [n * lane // lanes for lane in range(lanes + 1)]
+
     def _gather(self, x: tf.Tensor, members: Sequence[int], what: str, lane: int | None = None) -> tf.Tensor:
         # The runtime gathers only float16/32/64 and int32/64. A gather moves bits without arithmetic,
         # so bfloat16 travels as float16 bits and narrow integers are widened.
@@ -271,8 +277,8 @@ class TFCollectiveCommunicator(Communicator):
             return send[:0]
         padded = tf.pad(send, [[0, n - sent]]) if n > sent else send
         size = send.dtype.size
-        lanes = max(1, min(self.LANES, n * size // self.LANE_BYTES))
-        bounds = [n * lane // lanes for lane in range(lanes + 1)]
+        bounds = self._lane_bounds(n, size)
+        lanes = len(bounds) - 1
         theirs_second = self._position[peer] > self._position[self.rank]
         with timeline.ops_phase(
             "exchange", what=what, peer=peer, bytes_sent=n * size, bytes_received=n * size, lanes=lanes
@@ -299,13 +305,13 @@ class TFCollectiveCommunicator(Communicator):
         """Every rank's `tensor`, stacked in rank order. A tensor of 2 * LANE_BYTES or more goes in lanes,
         as an exchange does."""
         n = tensor.shape.num_elements() or 0  # unknown: one collective
-        lanes = max(1, min(self.LANES, n * tensor.dtype.size // self.LANE_BYTES))
+        bounds = self._lane_bounds(n, tensor.dtype.size)
+        lanes = len(bounds) - 1
         with timeline.ops_phase("allgather", ranks=self.size, lanes=lanes):
             if lanes == 1:
                 gathered = self._gather(tf.expand_dims(tensor, 0), range(self.size), "allgather")
             else:
                 row = tf.reshape(tensor, [1, n])
-                bounds = [n * lane // lanes for lane in range(lanes + 1)]
                 parts = [
                     self._gather(row[:, lo:hi], range(self.size), "allgather", lane)
                     for lane, (lo, hi) in enumerate(itertools.pairwise(bounds))
@@ -363,9 +369,8 @@ class TFCollectiveCommunicator(Communicator):
         payload = tf.concat([words, buffer], 0)
         if buffer.dtype == tf.bfloat16:  # the runtime gathers no bfloat16: its bits travel as float16
             payload = tf.bitcast(payload, tf.float16)
-        n = int(payload.shape[0])
-        lanes = max(1, min(self.LANES, n * buffer.dtype.size // self.LANE_BYTES))
-        bounds = [n * lane // lanes for lane in range(lanes + 1)]
+        bounds = self._lane_bounds(int(payload.shape[0]), buffer.dtype.size)
+        lanes = len(bounds) - 1
         with timeline.ops_phase("agreement and allgather", what=what, ranks=self.size, lanes=lanes):
             parts = [
                 self._collective(
