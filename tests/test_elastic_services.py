@@ -7,7 +7,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tf_adasum.elastic_pool import Pool
+from tf_adasum.elastic_pool import ENV_FORKSERVER, Pool
 from tf_adasum.elastic_protocol import (
     ENV_DRIVER,
     ENV_GENERATION,
@@ -171,3 +173,136 @@ def test_a_warm_process_runs_a_script_as_a_cold_one_would(tmp_path: Path) -> Non
     finally:
         pool.close()
     assert all(s.process.poll() is not None for s in pool.waiting)
+
+
+FORKED = """
+import json, os, signal, sys
+import numpy as np
+json.dump({"pid": os.getpid(), "parent": os.getppid(), "draw": float(np.random.random()),
+           "tensorflow": "tensorflow" in sys.modules}, open(os.environ["OUT"], "w"))
+if os.environ.get("THEN") == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if os.environ.get("THEN") == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def _forks_of(pid: int) -> set[int]:
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+def _gone(pid: int, within: float) -> bool:
+    """Whether process `pid` ends (reaped or not) within `within` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _run(pool: Pool, out: Path, then: str = "") -> subprocess.Popen[bytes]:
+    standby = pool.take("127.0.0.1")
+    assert standby is not None
+    script = out.with_suffix(".py")
+    script.write_text(FORKED)
+    env = dict(os.environ, OUT=str(out), THEN=then)
+    return pool.assign(standby, env, [sys.executable, str(script)])
+
+
+def _written(out: Path) -> dict[str, object]:
+    deadline = time.monotonic() + 60
+    while not out.exists():
+        assert time.monotonic() < deadline, f"{out} never written"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return dict(json.loads(out.read_text()))
+
+
+@pytest.mark.multiprocess
+def test_warm_processes_are_forks_of_one_server_that_stand_for_a_process_of_the_launchers(
+    tmp_path: Path,
+) -> None:
+    said: list[str] = []
+    pool = Pool("127.0.0.1", new_secret(), 3, "unused", dict(os.environ), said.append)
+    try:
+        pool.fill({"127.0.0.1": 3})
+        _wait_ready(pool, "127.0.0.1", 3)
+        server = pool.forkservers["127.0.0.1"].process.pid
+        assert len(_forks_of(server)) == 3
+
+        # Two places: each a fork of the one server, TensorFlow in, numpy's draws its own.
+        a, b = _run(pool, tmp_path / "a.json"), _run(pool, tmp_path / "b.json")
+        assert (a.wait(60), b.wait(60)) == (0, 0)
+        outs = [_written(tmp_path / "a.json"), _written(tmp_path / "b.json")]
+        assert [o["parent"] for o in outs] == [server, server] and all(o["tensorflow"] for o in outs)
+        assert outs[0]["draw"] != outs[1]["draw"]
+
+        # The pool refills from the server in well under the seconds an import takes.
+        started = time.monotonic()
+        pool.fill({"127.0.0.1": 3})
+        _wait_ready(pool, "127.0.0.1", 3)
+        assert time.monotonic() - started < 5
+
+        # A fork that dies by a signal: its relay, the launcher's process, ends by the same signal.
+        assert _run(pool, tmp_path / "c.json", then="kill").wait(60) == -signal.SIGKILL
+
+        # The launcher kills a relay (its process hung): the fork ends too, even a stopped one.
+        relay = _run(pool, tmp_path / "d.json", then="stop")
+        fork = int(str(_written(tmp_path / "d.json")["pid"]))
+        os.killpg(relay.pid, signal.SIGKILL)
+        relay.wait(30)
+        assert _gone(fork, within=5)
+
+        # Nobody else gets a fork: a request without the job's secret is closed, nothing forked.
+        forks = _forks_of(server)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+            stranger.connect(f"\0tf_adasum-{pool.token}-127.0.0.1")
+            socket.send_fds(stranger, [b"F"], [0, 1, 2])
+            send_message(stranger, {"env": {ENV_SECRET: "guess"}})
+            stranger.settimeout(10)
+            assert stranger.recv(1) == b""
+        assert _forks_of(server) <= forks
+    finally:
+        pool.close()
+    assert _gone(server, within=10)
+    assert not said, said
+
+
+@pytest.mark.multiprocess
+def test_a_fork_server_that_dies_is_said_and_replaced_and_a_relay_without_one_imports_itself(
+    tmp_path: Path,
+) -> None:
+    said: list[str] = []
+    pool = Pool("127.0.0.1", new_secret(), 1, "unused", dict(os.environ), said.append)
+    try:
+        pool.fill({"127.0.0.1": 1})
+        _wait_ready(pool, "127.0.0.1", 1)
+        # The server dies: its waiting forks go with it (their exit statuses would be lost), it is said,
+        # and the next fill starts another.
+        first = pool.forkservers["127.0.0.1"].process
+        first.kill()
+        first.wait(30)
+        pool.reap()
+        assert any("the fork server on 127.0.0.1 ended (exit code -9" in line for line in said), said
+        assert pool.ready_on("127.0.0.1") == 0
+        pool.fill({"127.0.0.1": 1})
+        _wait_ready(pool, "127.0.0.1", 1)
+        assert pool.forkservers["127.0.0.1"].process.pid != first.pid
+        assert _run(pool, tmp_path / "a.json").wait(60) == 0
+
+        # A relay told of no fork server: a warm process of its own, which says so, runs the script.
+        environment = pool._environment
+        pool._environment = lambda host: {**environment(host), ENV_FORKSERVER: ""}  # type: ignore[method-assign]
+        pool.fill({"127.0.0.1": 1})
+        _wait_ready(pool, "127.0.0.1", 1)
+        process = _run(pool, tmp_path / "b.json")
+        _, error = process.communicate(timeout=60)
+        assert process.returncode == 0
+        assert _written(tmp_path / "b.json")["parent"] == os.getpid()
+        assert b"no fork server is named; this warm process imports TensorFlow itself" in error
+    finally:
+        pool.close()

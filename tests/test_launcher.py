@@ -106,6 +106,27 @@ def test_the_launcher_itself_imports_no_tensorflow(tmp_path: Path) -> None:
     assert not heavy, heavy[:10]
 
 
+def test_the_elastic_relay_imports_no_tensorflow_until_it_must() -> None:
+    # Every warm process of an elastic job starts as a relay that gets a fork of its host's fork server:
+    # it must start in a fraction of a second. Told of no fork server, it becomes a warm process that
+    # imports everything itself (the same process, exec'd), and says so first.
+    env = {k: v for k, v in os.environ.items() if k != "TF_ADASUM_ELASTIC_FORKSERVER"}
+    command = [sys.executable, "-X", "importtime", "-m", "tf_adasum.elastic_relay"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, env=env)
+    said = "tf_adasum.elastic_relay: no fork server is named; this warm process imports TensorFlow itself"
+    assert said in done.stderr, done.stderr[-3000:]
+    relay, standby = done.stderr.split(said)
+    imported = [
+        line.rsplit("|", 1)[-1].strip() for line in relay.splitlines() if line.startswith("import time:")
+    ]
+    assert "tf_adasum.elastic_pool" in imported, imported[-20:]  # the relay's own imports
+    heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
+    assert not heavy, heavy[:10]
+    # Then the same process is the standby, TensorFlow imported, which finds no pool to wait for here.
+    assert "elastic_standby.py" in standby, standby[-2000:]
+    assert "KeyError: 'TF_ADASUM_ELASTIC_POOL'" in standby, standby[-2000:]
+
+
 def test_a_host_list_places_ranks_in_order_as_horovodrun() -> None:
     assert run.parse_hosts("10.0.0.1:2,10.0.0.2:2", 4) == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2
     assert run.parse_hosts("a,b,c", 2) == ["a", "b"]  # one slot each by default; the rest unused

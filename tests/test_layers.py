@@ -47,6 +47,7 @@ FLOORS: list[list[str]] = [
         "comm.base",
         "tree",
         "elastic_launcher",
+        "elastic_relay",
     ],
     # the fence's face: every private name tf_adasum touches
     ["_compat"],
@@ -102,6 +103,8 @@ FLOORS: list[list[str]] = [
     # the public face, the one place that patches Keras
     ["__init__"],
     ["demo", "elastic_standby", "run"],
+    # the fork server of the elastic launcher's pool, which runs a warm process's standby in each fork
+    ["elastic_forkserver"],
 ]
 
 

@@ -6,16 +6,21 @@ also turns tf.data autotuning off on per-device prefetch datasets when it is cre
 (_compat.quiet_per_device_iterators).
 
 `python -m tf_adasum.run`, the launcher, imports this package before it runs and needs none of it:
-there nothing below the check is imported, TensorFlow included (5 s of CPU per launch here).
+there nothing below the check is imported, TensorFlow included (5 s of CPU per launch here). So it is
+for `python -m tf_adasum.elastic_relay`, which the elastic launcher starts for every warm process.
 """
 
 import sys
 
+_WITHOUT_TENSORFLOW = ("tf_adasum.run", "tf_adasum.elastic_relay")
+
 
 def _the_launcher_alone() -> bool:
-    """Whether this import is Python's, locating `-m tf_adasum.run` (sys.argv[0] is "-m" until then)."""
+    """Whether this import is Python's, locating `-m tf_adasum.run` or another module of
+    _WITHOUT_TENSORFLOW (sys.argv[0] is "-m" until then)."""
     argv = list(getattr(sys, "orig_argv", []))
-    return sys.argv[:1] == ["-m"] and "-m" in argv and argv[argv.index("-m") + 1 :][:1] == ["tf_adasum.run"]
+    module = argv[argv.index("-m") + 1 :][:1] if "-m" in argv else []
+    return sys.argv[:1] == ["-m"] and len(module) == 1 and module[0] in _WITHOUT_TENSORFLOW
 
 
 if not _the_launcher_alone():

@@ -10,12 +10,19 @@ when a host has none ready it starts a process cold and says so.
 A waiting process connects back to the pool's server (the launcher's address, the job's secret), and
 gets its assignment there: its environment (TF_CONFIG, its rank's state files), its arguments and its
 directory. Its stdout and stderr are the launcher's pipes from the start. No TensorFlow here.
+
+Each host has one fork server (tf_adasum/elastic_forkserver.py) that imports TensorFlow once; the
+launcher starts each warm process as a relay (tf_adasum/elastic_relay.py) that gets a fork of it. So a
+host pays one import, not one per process, and a process taken from the pool is replaced within a
+second.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import IO
 
 from tf_adasum.elastic_protocol import (
     ENV_POOL,
@@ -35,7 +43,9 @@ from tf_adasum.elastic_protocol import (
 from tf_adasum.hosts import start
 
 ENV_STANDBY = "TF_ADASUM_ELASTIC_STANDBY"  # a waiting process's id, which it says when it connects
-STANDBY_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_standby"]
+ENV_FORKSERVER = "TF_ADASUM_ELASTIC_FORKSERVER"  # the abstract Unix socket where the host's fork server is
+STANDBY_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_relay"]
+FORKSERVER_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_forkserver"]
 
 
 @dataclass
@@ -71,6 +81,9 @@ class Pool:
         self.lock = threading.Lock()
         self.waiting: list[Standby] = []
         self.ids = itertools.count()
+        self.forkservers: dict[str, Standby] = {}
+        self.forkserver_tails: dict[str, collections.deque[str]] = {}
+        self.token = secrets.token_hex(8)
         self.server = socket.create_server((address, 0))
         self.address = f"{address}:{self.server.getsockname()[1]}"
         self.closed = False
@@ -92,7 +105,8 @@ class Pool:
         except (OSError, ValueError):
             message = None
         with self.lock:
-            standby = next((s for s in self.waiting if message and s.id == message.get("standby")), None)
+            known = [*self.waiting, *self.forkservers.values()]
+            standby = next((s for s in known if message and s.id == message.get("standby")), None)
             if message is None or standby is None or not is_secret(message.get("secret"), self.secret):
                 connection.close()
                 return
@@ -106,10 +120,39 @@ class Pool:
             for host, count in slots.items():
                 have = sum(1 for s in self.waiting if s.host == host)
                 want = min(self.per_host, count) + (besides or {}).get(host, 0)
+                if want > have:
+                    self._start_forkserver(host)
                 for _ in range(want - have):
-                    ident = f"s{next(self.ids)}"
-                    env = {**self.env, ENV_POOL: self.address, ENV_SECRET: self.secret, ENV_STANDBY: ident}
-                    self.waiting.append(Standby(ident, host, start(host, STANDBY_COMMAND, env, self.agent)))
+                    env = self._environment(host)
+                    process = start(host, STANDBY_COMMAND, env, self.agent)
+                    self.waiting.append(Standby(env[ENV_STANDBY], host, process))
+
+    def _environment(self, host: str) -> dict[str, str]:
+        return {
+            **self.env,
+            ENV_POOL: self.address,
+            ENV_SECRET: self.secret,
+            ENV_STANDBY: f"s{next(self.ids)}",
+            ENV_FORKSERVER: f"tf_adasum-{self.token}-{host}",
+        }
+
+    def _start_forkserver(self, host: str) -> None:
+        """Starts `host`'s fork server unless it runs (under self.lock). Its stderr's last lines are kept
+        for the message should it end."""
+        running = self.forkservers.get(host)
+        if running is not None and running.process.poll() is None:
+            return
+        env = self._environment(host)
+        process = start(host, FORKSERVER_COMMAND, env, self.agent, stdout=subprocess.DEVNULL)
+        self.forkservers[host] = Standby(env[ENV_STANDBY], host, process)
+        tail = self.forkserver_tails[host] = collections.deque(maxlen=5)
+
+        def drain(stream: IO[bytes]) -> None:
+            for line in stream:
+                tail.append(line.decode(errors="replace").rstrip())
+
+        assert process.stderr is not None
+        threading.Thread(target=drain, args=(process.stderr,), daemon=True).start()
 
     def ready_on(self, host: str) -> int:
         with self.lock:
@@ -152,6 +195,21 @@ class Pool:
             dead = [s for s in self.waiting if s.process.poll() is not None]
             for standby in dead:
                 self.waiting.remove(standby)
+            ended = [s for s in self.forkservers.values() if s.process.poll() is not None]
+            for server in ended:
+                del self.forkservers[server.host]
+                # Its forks would end with their exit status lost: they go too, and fill() replaces them.
+                forks = [s for s in self.waiting if s.host == server.host]
+                for standby in forks:
+                    self.waiting.remove(standby)
+                    _end(standby)
+        for server in ended:
+            last = [line for line in self.forkserver_tails.pop(server.host, []) if line.strip()]
+            self.say(
+                f"the fork server on {server.host} ended (exit code {server.process.returncode}"
+                + (f": {last[-1]}" if last else "")
+                + "); another one starts when the pool refills there"
+            )
         for standby in dead:
             self.say(
                 f"a warm process on {standby.host} ({standby.id}) ended while it waited "
@@ -164,12 +222,17 @@ class Pool:
         self.server.close()
         with self.lock:
             waiting, self.waiting = self.waiting, []
-        for standby in waiting:
-            if standby.connection is not None:
-                standby.connection.close()  # it exits on its own when told nothing
-            if standby.process.poll() is None:
-                try:
-                    os.killpg(standby.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            standby.process.wait()
+            forkservers, self.forkservers = list(self.forkservers.values()), {}
+        for standby in [*waiting, *forkservers]:
+            _end(standby)
+
+
+def _end(standby: Standby) -> None:
+    if standby.connection is not None:
+        standby.connection.close()  # it exits on its own when told nothing
+    if standby.process.poll() is None:
+        try:
+            os.killpg(standby.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    standby.process.wait()

@@ -149,8 +149,9 @@ def main() -> None:
         default=None,
         help="warm processes kept waiting on each host for the next group, so a membership change costs "
         "no Python and TensorFlow start (default: the most slots the host has had, up to --max-np; 0: "
-        "cold starts). Each holds "
-        "TensorFlow imported: about 0.3-0.5 GB of memory and no CPU while it waits",
+        "cold starts, and no fork server). They are forks of the host's one fork server, which imports "
+        "TensorFlow once (about 0.7 GB); each shares its memory and holds about 15 MB of its own (the "
+        "fork and its relay), and no CPU while it waits",
     )
     parser.add_argument(
         "--output-filename",

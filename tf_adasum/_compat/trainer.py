@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -224,15 +225,21 @@ class _Graveyard:
     reference pays for it."""
 
     def __init__(self) -> None:
+        self._start()
+        # A warm process forked by the elastic launcher's fork server (tf_adasum/elastic_forkserver.py)
+        # has none of its parent's threads: it starts its own.
+        os.register_at_fork(after_in_child=self._start)
+        # Before the interpreter ends: a daemon thread still inside a destructor then is cut off in
+        # TensorFlow's C++ ("FATAL: exception not rethrown", the process aborts at exit).
+        atexit.register(self._stop)
+
+    def _start(self) -> None:
         self._lock = threading.Lock()
         self._buried: list[tuple[float, list[Any]]] = []
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release")
         self._thread.start()
-        # Before the interpreter ends: a daemon thread still inside a destructor then is cut off in
-        # TensorFlow's C++ ("FATAL: exception not rethrown", the process aborts at exit).
-        atexit.register(self._stop)
 
     def _stop(self) -> None:
         self._stopping = True
