@@ -19,6 +19,7 @@ and carry the job's secret. It ends when the launcher closes its connection to t
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -76,6 +77,9 @@ def serve() -> tuple[socket.socket, dict[str, str]] | None:
     launcher = socket.create_connection((host, int(port)), timeout=30)
     send_message(launcher, {"secret": secret, "standby": os.environ[ENV_STANDBY]})
     children: dict[int, socket.socket] = {}
+    # What the imports made stays out of every fork's garbage collections, which would otherwise touch
+    # (and so copy) each of its pages in every fork (as Python's documentation advises for forking).
+    gc.freeze()
     while True:
         ready, _, _ = select.select([listener, launcher, *children.values()], [], [], REAP_SECONDS)
         _reap(children)
