@@ -306,3 +306,52 @@ def test_a_fork_server_that_dies_is_said_and_replaced_and_a_relay_without_one_im
         assert b"no fork server is named; this warm process imports TensorFlow itself" in error
     finally:
         pool.close()
+
+
+STARTER = """
+import json, os, sys, time
+from pathlib import Path
+import tensorflow as tf
+import tf_adasum
+out, rank = Path(sys.argv[1]), int(sys.argv[2])
+(out / f"imported{rank}").touch()
+deadline = time.monotonic() + 120
+while len(list(out.glob("imported*"))) < 3 and time.monotonic() < deadline:
+    time.sleep(0.005)
+if rank == 0:
+    time.sleep(0.3)  # worker 0, where the coordination service runs, a little late
+start = time.time()
+tf_adasum.init()
+(out / f"init{rank}.json").write_text(json.dumps({"start": start, "end": time.time()}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_workers_that_start_together_do_not_wait_out_grpcs_reconnect_backoff(tmp_path: Path) -> None:
+    """A group's processes start at once under the elastic launcher (its warm processes). A worker that
+    asked worker 0's coordination service before it listened used to wait for gRPC's reconnect backoff
+    (about 1 s), and every worker with it; now each waits for worker 0 to listen, then connects."""
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    processes = []
+    for rank in range(3):
+        config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
+        env = dict(os.environ, TF_CONFIG=config, TF_CPP_MIN_LOG_LEVEL="3")
+        env.pop("TF_ADASUM_LAUNCHER", None)
+        command = [sys.executable, str(script), str(tmp_path), str(rank)]
+        processes.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE))
+    for process in processes:
+        _, error = process.communicate(timeout=180)
+        assert process.returncode == 0, error.decode(errors="replace")[-3000:]
+    times = [json.loads((tmp_path / f"init{rank}.json").read_text()) for rank in range(3)]
+    # From worker 0's start to the last worker's engine: the backoff's 1 s (0.8-1.2 with its jitter) no
+    # longer in it.
+    assert max(t["end"] for t in times) - times[0]["start"] < 0.6, times

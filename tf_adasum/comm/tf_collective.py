@@ -96,6 +96,22 @@ def cluster_from_horovodrun(environ: Any = None) -> tuple[list[str], int]:
     return [addresses[r] for r in range(size)], rank
 
 
+def _wait_for_the_leader(address: str, seconds: float) -> None:
+    """Waits (at most `seconds`) until worker 0, where TensorFlow's coordination service runs, accepts
+    connections. A worker that asks it before its server listens is told to wait by gRPC's reconnect
+    backoff, about 1 s, and every worker waits for the last to connect: when a group's processes start
+    at once (the elastic launcher's warm processes), worker 0 a few milliseconds late cost every start
+    1 s. After `seconds`, the strategy's own connection reports what is wrong."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
 class TFCollectiveCommunicator(Communicator):
     """The workers of one cluster (TF_CONFIG's, or horovodrun's), one CPU device each.
 
@@ -135,6 +151,8 @@ class TFCollectiveCommunicator(Communicator):
             task_id=rank,
             rpc_layer="grpc",
         )
+        if rank != 0:
+            _wait_for_the_leader(self.workers[0], timeout_seconds())
         # The strategy starts this worker's gRPC server and turns on the collective runtime.
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout_seconds())
         try:
