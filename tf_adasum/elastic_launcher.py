@@ -46,10 +46,10 @@ from tf_adasum.launch_output import Output
 DISCOVERY_SECONDS = 1.0
 # A new group waits this long for a warm process that is still importing before starting one cold.
 WARM_WAIT_SECONDS = 120.0
-# The pool is refilled this long after a group starts, so that starting the new warm processes does not
-# slow the group's own start (its first step) on the same cores. They are forks of the host's fork server:
-# a relay's Python start (~0.1 s of CPU) each, and no import.
-REFILL_DELAY_SECONDS = 3.0
+# The pool is refilled this long after a group starts (at the launcher's next look at the discovery): the
+# new warm processes are forks of the host's fork server, a relay's Python start (~40 ms of CPU) each and
+# no import, so they hardly slow the group's own start, and a second change soon after finds them ready.
+REFILL_DELAY_SECONDS = 1.0
 # Growth waits this long at most for warm processes for every member of the larger group before the
 # notice goes out; the group trains meanwhile, and a growth that cannot wait starts processes cold.
 GROW_WARM_SECONDS = 60.0
