@@ -24,6 +24,7 @@ from tf_adasum.elastic_protocol import (
     ENV_SECRET,
     SECRET_HEADER,
     NoticeBoard,
+    SlotNotices,
     new_secret,
     send_message,
     watch_for_end,
@@ -57,6 +58,26 @@ def test_the_notice_service_answers_the_jobs_secret_alone(board: NoticeBoard) ->
     status, body = _get(board, "/updates?generation=0", board.secret)
     assert status == 200 and int(body) > 0
     assert _get(board, "/updates?generation=1", board.secret) == (200, b"0")
+    assert _get(board, "/updates?generation=1&after=0", None) == (403, b"")
+
+
+def test_rank_0_hears_a_notice_of_added_slots_as_soon_as_it_is_posted(board: NoticeBoard) -> None:
+    address = "{}:{}".format(*board.server_address[:2])
+    notices = {group: SlotNotices(address, group, board.secret) for group in (1, 2, 3)}
+    time.sleep(1.0)
+    board.post(0)  # another group's notice is not theirs
+    time.sleep(0.2)
+    assert all(n.latest == 0 for n in notices.values()), "no notice before one is posted"
+    heard = {}
+    for group, n in notices.items():  # posted at three phases of any period a poll would have
+        posted = time.monotonic()
+        board.post(group)
+        while n.latest == 0 and time.monotonic() < posted + 10:
+            time.sleep(0.005)
+        heard[group] = time.monotonic() - posted
+        assert n.latest == board.notice[group]
+        time.sleep(0.3)
+    assert max(heard.values()) < 0.2, f"rank 0 heard the notices {heard} s after they were posted, not at once"
 
 
 def test_a_groups_end_is_held_until_it_comes_then_told_to_each_of_its_processes(

@@ -45,7 +45,7 @@ RESTART_EXIT_CODE = 75
 # How long any wait for a peer may last, unless $TF_ADASUM_TIMEOUT_SECONDS says otherwise.
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
-# How often rank 0 asks the launcher whether slots were added.
+# How long a process waits before asking the launcher again after a failed request.
 POLL_SECONDS = 1.0
 
 # How long the launcher holds a process's request for the end of its group before it answers "not yet".
@@ -94,7 +94,8 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
     """The launcher's services, on `address` alone, to requests that carry the job's secret (in the
     SECRET_HEADER header; any other request gets 403 and nothing):
 
-    - GET /updates?generation=G: the group's latest notice of added slots (0: none); post(G) posts one;
+    - GET /updates?generation=G&after=N: the group's latest notice of added slots (0: none), held until
+      it is newer than N or ENDED_WAIT_SECONDS passed (without `after`: at once); post(G) posts one;
     - GET /ended?generation=G: held until group G ends (end(G, reason): one of its processes exited
       with an error or to leave), then the reason; after ENDED_WAIT_SECONDS, an empty answer;
     - GET /state?path=P: the launcher's copy of a process's commits, P under `root` (or a folder given
@@ -107,6 +108,7 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
 
     def __init__(self, address: str, secret: str, root: str) -> None:
         self.notice: dict[int, int] = {}
+        self._posted = threading.Condition()
         self.secret = secret
         self.roots = [os.path.realpath(root)]
         self.copies: dict[str, threading.Event] = {}
@@ -158,7 +160,15 @@ class NoticeBoard(http.server.ThreadingHTTPServer):
             return None
 
     def post(self, group: int) -> None:
-        self.notice[group] = time.time_ns()
+        with self._posted:
+            self.notice[group] = time.time_ns()
+            self._posted.notify_all()
+
+    def notice_after(self, group: int, after: int, wait: float) -> int:
+        """Group `group`'s latest notice, once it is newer than `after`, waiting at most `wait` seconds."""
+        with self._posted:
+            self._posted.wait_for(lambda: self.notice.get(group, 0) > after, wait)
+            return self.notice.get(group, 0)
 
     def posted(self, group: int) -> bool:
         return bool(self.notice.get(group))
@@ -185,7 +195,14 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
             body = self.server.ended(int(group), ENDED_WAIT_SECONDS).encode() if group.isdigit() else b""  # type: ignore[attr-defined]
         else:
             group = query.get("generation", [""])[0]
-            body = str(self.server.notice.get(int(group), 0) if group.isdigit() else 0).encode()  # type: ignore[attr-defined]
+            after = query.get("after", [""])[0]
+            if not group.isdigit():
+                notice = 0
+            elif after.isdigit():
+                notice = self.server.notice_after(int(group), int(after), ENDED_WAIT_SECONDS)  # type: ignore[attr-defined]
+            else:
+                notice = self.server.notice.get(int(group), 0)  # type: ignore[attr-defined]
+            body = str(notice).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -196,24 +213,26 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
 
 
 class SlotNotices:
-    """Rank 0's side: a thread asks the launcher every POLL_SECONDS, so that a commit reads the latest
-    answer without waiting on the network."""
+    """Rank 0's side: a thread holds a request for a newer notice open at the launcher, so that a commit
+    reads the latest answer without waiting on the network, and hears of a notice as soon as it is
+    posted (a poll every second made a growth wait 0.5 s more on average, issue 42)."""
 
     def __init__(self, address: str, group: int, secret: str) -> None:
         self.latest = 0
-        self._request = urllib.request.Request(
-            f"http://{address}/updates?generation={group}", headers={SECRET_HEADER: secret}
-        )
-        threading.Thread(target=self._poll, daemon=True, name="tf_adasum-elastic-notices").start()
+        self._url = f"http://{address}/updates?generation={group}"
+        self._secret = secret
+        threading.Thread(target=self._watch, daemon=True, name="tf_adasum-elastic-notices").start()
 
-    def _poll(self) -> None:
+    def _watch(self) -> None:
         while True:
+            request = urllib.request.Request(
+                f"{self._url}&after={self.latest}", headers={SECRET_HEADER: self._secret}
+            )
             try:
-                with urllib.request.urlopen(self._request, timeout=5) as answer:
+                with urllib.request.urlopen(request, timeout=ENDED_WAIT_SECONDS + 10) as answer:
                     self.latest = max(self.latest, int(answer.read().decode() or 0))
             except (OSError, ValueError):
-                pass  # the launcher is gone or busy: the next poll asks again
-            time.sleep(POLL_SECONDS)
+                time.sleep(POLL_SECONDS)  # the launcher is gone or busy: ask again
 
 
 def watch_for_end(on_end: Callable[[str], None]) -> None:
