@@ -182,8 +182,10 @@ def groups_of(events: list[dict[str, Any]], lines: list[tuple[float, str, str]])
         elif e["ev"] == "synced":
             g["synced"].append(e["t"])
             g["resumed_at"] = e["step"]
+            g.setdefault("cpu_synced", {})[e["rank"]] = e.get("cpu")
         elif e["ev"] == "first_step":
             g["first_step"].append(e["t"])
+            g.setdefault("cpu_first_step", {})[e["rank"]] = e.get("cpu")
     for stamp, kind, line in lines:
         if kind == "out" and (m := LEAVE.match(line)):
             group(int(m.group(3)))["leave"].append(stamp)
@@ -210,6 +212,19 @@ def start_parts(g: dict[str, Any]) -> dict[str, float]:
         "data_model_state": made - engine,
         "sync": synced - made,
         "first_step": first - synced,
+    }
+
+
+def first_step_cpu(g: dict[str, Any]) -> dict[str, float]:
+    """The processor time of the first step, each process's (mean), and all of theirs over this machine's
+    cores: how long the first step would take if nothing but the cores bound it."""
+    before, after = g.get("cpu_synced", {}), g.get("cpu_first_step", {})
+    spent = [after[r] - before[r] for r in after if r in before and None not in (after[r], before[r])]
+    if not spent:  # events from before the worker reported processor time
+        return {}
+    return {
+        "first_step_cpu_per_process": sum(spent) / len(spent),
+        "first_step_cpu_over_cores": sum(spent) / (os.cpu_count() or 1),
     }
 
 
@@ -248,6 +263,7 @@ def recovery(events: list[dict[str, Any]], groups: dict[int, dict[str, Any]]) ->
                 "cold_start_s": cold_total,
                 "ratio_to_cold_start": total / cold_total,
                 **{f"{k}_s": v for k, v in parts.items()},
+                **{f"{k}_s": v for k, v in first_step_cpu(after).items()},
             }
         )
     return rows
@@ -317,13 +333,19 @@ def results_table(summary: list[dict[str, Any]]) -> str:
 def recovery_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no membership change measured)"
-    skip = ("total_s", "stall_s", "cold_start_s")
+    cpu = ("first_step_cpu_per_process_s", "first_step_cpu_over_cores_s")
+    skip = ("total_s", "stall_s", "cold_start_s", *cpu)
     lines = [
         f"{'run':<17} {'change':<7} {'at':>5} {'resumed':>7} {'redone':>6} {'total s':>7} {'stall s':>7} "
         f"{'x cold':>6}  parts (s)"
     ]
     for r in rows:
         detail = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in r.items() if k.endswith("_s") and k not in skip)
+        if cpu[0] in r:
+            detail += (
+                f"; the first step's processor time: {r[cpu[0]]:.2f} per process, "
+                f"{r[cpu[1]]:.1f} over the {os.cpu_count()} cores"
+            )
         lines.append(
             f"{r['run']:<17} {r['change']:<7} {r['trigger_step']:>5} {r['resumed_at']:>7} "
             f"{r['steps_redone']:>6} "

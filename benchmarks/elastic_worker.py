@@ -133,7 +133,7 @@ class Measure(keras.callbacks.Callback):
         self.state.seen += LOCAL_BATCH * hvd.size()
         if self.first:
             self.first = False
-            event("first_step", step=int(self.state.step))
+            event("first_step", step=int(self.state.step), cpu=time.process_time())
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         times, self.step_seconds = self.step_seconds, []
@@ -191,7 +191,12 @@ def train(args: argparse.Namespace) -> None:
     def fit(state: Any) -> None:
         lr_after_sync = float(np.asarray(model.optimizer.learning_rate))
         event(
-            "synced", step=int(state.step), epoch=int(state.epoch), batch=int(state.batch), lr=lr_after_sync
+            "synced",
+            step=int(state.step),
+            epoch=int(state.epoch),
+            batch=int(state.batch),
+            lr=lr_after_sync,
+            cpu=time.process_time(),
         )
         if args.lr_rule == "size" and abs(lr_after_sync - args.lr * hvd.size()) > 1e-6 * args.lr * hvd.size():
             # Before 767f3fe the sync restored the committed learning rate over the reset callback's (see
