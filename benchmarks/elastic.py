@@ -31,9 +31,11 @@ Recovery: from the kill (the dying worker's time.time()) or the discovery file's
 the first completed step of the next group (the slowest rank's), in parts: the survivors' detection
 (their "leaves for the next group" line), their exit, the launcher's start of the next group, Python +
 TensorFlow's import, the collective engine's start, data + model, the state's sync, the first step
-(tracing included). Times are stamped by the workers (@ev lines) and, for the launcher's and
-tf_adasum.elastic's lines, on arrival here. Every wait is bounded: --timeout goes to the launcher, and
-this script kills the job's process group 60 s after that.
+(tracing included), and the first step's processor time, per process and summed over the machine's
+cores (where the latter is near the first step's wall time, the cores bound it). Times are stamped by
+the workers (@ev lines) and, for the launcher's and tf_adasum.elastic's lines, on arrival here. Every
+wait is bounded: --timeout goes to the launcher, and this script kills the job's process group 60 s
+after that.
 
 Usage:
     python benchmarks/elastic.py             # the five runs and the commit cost, ~12 min here

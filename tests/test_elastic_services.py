@@ -77,7 +77,7 @@ def test_rank_0_hears_a_notice_of_added_slots_as_soon_as_it_is_posted(board: Not
         heard[group] = time.monotonic() - posted
         assert n.latest == board.notice[group]
         time.sleep(0.3)
-    assert max(heard.values()) < 0.2, f"rank 0 heard the notices {heard} s after they were posted, not at once"
+    assert max(heard.values()) < 0.2, f"rank 0 heard the notices {heard} s after their posting, not at once"
 
 
 def test_a_groups_end_is_held_until_it_comes_then_told_to_each_of_its_processes(
