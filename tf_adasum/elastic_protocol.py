@@ -212,6 +212,26 @@ class _NoticeHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def _hold_open(url: Callable[[], str], secret: str, answered: Callable[[str], bool], name: str) -> None:
+    """Starts a thread that holds a request to the launcher's services open, one after another: GET
+    url() with the job's secret, for at most ENDED_WAIT_SECONDS and a margin, until `answered(body)`
+    returns True. A failed request (the launcher gone or busy) is asked again after POLL_SECONDS."""
+
+    def hold() -> None:
+        while True:
+            request = urllib.request.Request(url(), headers={SECRET_HEADER: secret})
+            try:
+                with urllib.request.urlopen(request, timeout=ENDED_WAIT_SECONDS + 10) as answer:
+                    body = answer.read().decode()
+            except (OSError, ValueError):
+                time.sleep(POLL_SECONDS)
+                continue
+            if answered(body):
+                return
+
+    threading.Thread(target=hold, daemon=True, name=name).start()
+
+
 class SlotNotices:
     """Rank 0's side: a thread holds a request for a newer notice open at the launcher, so that a commit
     reads the latest answer without waiting on the network, and hears of a notice as soon as it is
@@ -219,20 +239,15 @@ class SlotNotices:
 
     def __init__(self, address: str, group: int, secret: str) -> None:
         self.latest = 0
-        self._url = f"http://{address}/updates?generation={group}"
-        self._secret = secret
-        threading.Thread(target=self._watch, daemon=True, name="tf_adasum-elastic-notices").start()
+        url = f"http://{address}/updates?generation={group}"
+        _hold_open(lambda: f"{url}&after={self.latest}", secret, self._heard, "tf_adasum-elastic-notices")
 
-    def _watch(self) -> None:
-        while True:
-            request = urllib.request.Request(
-                f"{self._url}&after={self.latest}", headers={SECRET_HEADER: self._secret}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=ENDED_WAIT_SECONDS + 10) as answer:
-                    self.latest = max(self.latest, int(answer.read().decode() or 0))
-            except (OSError, ValueError):
-                time.sleep(POLL_SECONDS)  # the launcher is gone or busy: ask again
+    def _heard(self, body: str) -> bool:
+        if body.isdigit():
+            self.latest = max(self.latest, int(body))
+        else:  # not the launcher's answer: ask again later
+            time.sleep(POLL_SECONDS)
+        return False  # hold the next request open
 
 
 def watch_for_end(on_end: Callable[[str], None]) -> None:
@@ -241,24 +256,14 @@ def watch_for_end(on_end: Callable[[str], None]) -> None:
     address = os.environ.get(ENV_DRIVER)
     if not address:
         return
-    request = urllib.request.Request(
-        f"http://{address}/ended?generation={generation()}",
-        headers={SECRET_HEADER: os.environ.get(ENV_SECRET, "")},
-    )
 
-    def watch() -> None:
-        while True:
-            try:
-                with urllib.request.urlopen(request, timeout=ENDED_WAIT_SECONDS + 10) as answer:
-                    reason = answer.read().decode()
-            except (OSError, ValueError):
-                time.sleep(POLL_SECONDS)  # the launcher is gone or busy: ask again
-                continue
-            if reason:
-                on_end(reason)
-                return
+    def answered(reason: str) -> bool:
+        if reason:
+            on_end(reason)
+        return bool(reason)
 
-    threading.Thread(target=watch, daemon=True, name="tf_adasum-elastic-end").start()
+    url = f"http://{address}/ended?generation={generation()}"
+    _hold_open(lambda: url, os.environ.get(ENV_SECRET, ""), answered, "tf_adasum-elastic-end")
 
 
 _notices: SlotNotices | None = None
