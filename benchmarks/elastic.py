@@ -217,16 +217,22 @@ def start_parts(g: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def cores() -> int:
+    """The cores this benchmark's processes may run on (its affinity, which a container or taskset may
+    set below the machine's count)."""
+    return len(os.sched_getaffinity(0))
+
+
 def first_step_cpu(g: dict[str, Any]) -> dict[str, float]:
-    """The processor time of the first step, each process's (mean), and all of theirs over this machine's
-    cores: how long the first step would take if nothing but the cores bound it."""
+    """The processor time of the first step, each process's (mean), and all of theirs over the cores they
+    may use: how long the first step would take if nothing but the cores bound it."""
     before, after = g.get("cpu_synced", {}), g.get("cpu_first_step", {})
     spent = [after[r] - before[r] for r in after if r in before and None not in (after[r], before[r])]
     if not spent:  # events from before the worker reported processor time
         return {}
     return {
         "first_step_cpu_per_process": sum(spent) / len(spent),
-        "first_step_cpu_over_cores": sum(spent) / (os.cpu_count() or 1),
+        "first_step_cpu_over_cores": sum(spent) / cores(),
     }
 
 
@@ -346,7 +352,7 @@ def recovery_table(rows: list[dict[str, Any]]) -> str:
         if cpu[0] in r:
             detail += (
                 f"; the first step's processor time: {r[cpu[0]]:.2f} per process, "
-                f"{r[cpu[1]]:.1f} over the {os.cpu_count()} cores"
+                f"{r[cpu[1]]:.1f} over the {cores()} cores"
             )
         lines.append(
             f"{r['run']:<17} {r['change']:<7} {r['trigger_step']:>5} {r['resumed_at']:>7} "
