@@ -328,6 +328,27 @@ def test_wrapper_without_a_strategy_is_the_inner_optimizer() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("wrapper", ["AdasumOptimizer", "AllreduceOptimizer"])
+def test_fit_without_a_strategy_traces_its_train_step_once(wrapper: str) -> None:
+    # Keras builds an optimizer without a strategy in the first trace of the train step; the slots made
+    # there make TensorFlow trace the whole step again. tf_adasum builds its wrappers before the trace.
+    x, y, _, _ = problem()
+    wrap = getattr(tf_adasum, wrapper)
+    model = build_linear(tf.distribute.get_strategy(), lambda: wrap(make_inner("adam")))
+    traces: list[bool] = []
+    train_step = model.train_step
+
+    def traced_step(data: Any) -> Any:
+        traces.append(tf.inside_function())
+        return train_step(data)
+
+    model.train_step = traced_step
+    model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0)
+    assert traces == [True]
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert len(model.optimizer.variables) > len(model.trainable_variables)  # Adam's slots, made eagerly
+
+
 def digits_data() -> tuple[np.ndarray, ...]:
     from sklearn.datasets import load_digits
 

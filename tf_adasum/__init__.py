@@ -34,7 +34,7 @@ if not _the_launcher_alone():
     if _quiet.wanted():
         _quiet.import_tensorflow_quietly()
 
-    from tf_adasum import _compat, callbacks, engine, errors, loss_scaling, ops, strategy, sync
+    from tf_adasum import _compat, callbacks, engine, errors, loss_scaling, ops, optimizer, strategy, sync
     from tf_adasum.allreduce_optimizer import AllreduceOptimizer
     from tf_adasum.callbacks import AdasumCallback
     from tf_adasum.distributed import (
@@ -97,10 +97,12 @@ if not _the_launcher_alone():
 
     def _before_train_function(model: object) -> None:
         strategy.adopt_optimizer_compiled_outside(model)
+        optimizer.build_before_the_trace(model)
         sync.without_xla(model)
 
     # Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
-    # compiled outside an AdasumStrategy's scope made an AdasumOptimizer, and XLA off where a step syncs.
+    # compiled outside an AdasumStrategy's scope made an AdasumOptimizer, a wrapper built before the step is
+    # traced (not in the trace, which made TensorFlow trace the step twice), and XLA off where a step syncs.
     _compat.install_step_hooks(
         functools.partial(errors.translate_errors, current_comm=engine.current),
         _before_train_function,

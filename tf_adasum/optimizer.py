@@ -180,6 +180,26 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
+def build_before_the_trace(model: Any) -> None:
+    """Builds a model's tf_adasum optimizer eagerly before Keras makes its train function, where fit runs
+    without a strategy (DistributedOptimizer in Horovod's recipe) and the model's weights exist.
+
+    Keras builds an optimizer before fit only under a strategy; without one, in the trace of the train
+    step. TensorFlow traces a function whose first trace created variables a second time, so the slots
+    made there cost a second trace of the whole step: 0.2-0.3 s of processor time at each process's
+    first step for benchmarks/convergence.py's CNN. Under a strategy, and for a model whose weights
+    are made in its first call, this does nothing and Keras builds as before.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
+        return
+    if not isinstance(_compat.loss_scale_inner(optimizer), WrappedOptimizer):
+        return
+    variables = list(model.trainable_variables) if getattr(model, "built", False) else []
+    if variables and all(bool(tf_variable(v).is_initialized()) for v in variables):
+        optimizer.build(variables)
+
+
 # AdasumOptimizers whose first step was traced before their model's variables had values, each with its
 # flag: False until that step, when it runs, has broadcast the weights (_broadcast_at_the_first_step).
 _BROADCAST_DONE: weakref.WeakKeyDictionary[Any, tf.Variable] = weakref.WeakKeyDictionary()
