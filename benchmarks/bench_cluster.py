@@ -15,7 +15,9 @@ processes on each), on one cluster of max(H) hosts whose every link is reshaped 
     allreduce  benchmarks/cluster_worker.py under each engine (--engines mpi tf): Adasum eager and
                compiled against the engine's own sum all-reduce in the same job, for one tensor of
                each --megabytes (also --small-megabytes where P = 4) and the ResNet-50 list, and the
-               bytes each host's eth0 sent per call against 2 N (P - 1) / P
+               bytes each host's eth0 sent per call against 2 N (P - 1) / P, and the machine's cores
+               busy meanwhile, and those the job's processes used (whether the cores or the link bound
+               a cell: the namespace hosts share this machine's cores)
     exchange   the same worker with --exchanges (TF engine, layouts of an even number of processes):
                one exchange between ranks r and r ^ 1 of half of each --megabytes, compiled, in 1, 2
                and 4 lanes: what TensorFlow's collective runtime makes of the wire
@@ -407,6 +409,20 @@ def tables(rows: list[dict[str, Any]]) -> str:
                     f"| {rate} | {layout} | {case_label(case)} | {r['engine']} | {adasum_mb} "
                     f"| {sum_mb} | {hmb} | {r['bound_mb']} | {r['host_bound_mb']} |"
                 )
+    used = [r for r in reduce if "adasum_busy_cores" in r]
+    if used:
+        lines += [
+            "",
+            "| rate | layout | case | engine | cores busy: Adasum eager, compiled, sum "
+            "| the job's processes: Adasum eager, compiled, sum |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in used:
+            busy = ", ".join(str(r[f"{k}_busy_cores"]) for k in ("adasum", "compiled", "sum"))
+            job = ", ".join(str(r[f"{k}_job_cores"]) for k in ("adasum", "compiled", "sum"))
+            lines.append(
+                f"| {r['rate']} | {r['layout']} | {case_label(r['case'])} | {r['engine']} | {busy} | {job} |"
+            )
     fit = [r for r in rows if r.get("part") == "fit" and "adasum_ms" in r]
     if fit:
         lines += [

@@ -14,6 +14,11 @@ Rank 0 prints one JSON line per case (one tensor of each --megabytes, then the R
                  --bytes-calls calls, divided by them); one entry per host, in host order. They include
                  TCP/IP headers and the ACKs the host sent for what it received.
     adasum_rank_mb           the same per rank: the host's bytes divided by its ranks (equal shares)
+    adasum_busy_cores, compiled_busy_cores, sum_busy_cores   how many of the machine's cores were busy
+                 during --bytes-calls calls of each (/proc/stat: every host's processes, the kernel's
+                 network processing and the links' shaping; all the namespace hosts share the cores)
+    adasum_job_cores, compiled_job_cores, sum_job_cores   how many of them the job's processes used
+                 (their processor time summed over the ranks, per second of the calls' wall time)
     bound_mb                 2 (P - 1) / P times the data: what each rank must send in a
                  bandwidth-optimal all-reduce; host_bound_mb the same with P the number of hosts, what
                  each host must send when its ranks first combine locally
@@ -29,6 +34,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +85,36 @@ def host_mb(
         h = int(table[size + r])
         per_host[h] = max(per_host.get(h, 0.0), float(table[r]))
     return [round(per_host[h] / calls / 2**20, 2) for h in sorted(per_host)]
+
+
+def machine_ticks() -> tuple[int, int, int]:
+    """The machine's busy and total processor ticks over all its cores, and its count of cores, from
+    /proc/stat (no namespace separates it: every host of the cluster shares these cores)."""
+    with open("/proc/stat") as f:
+        lines = f.read().splitlines()
+    ticks = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    cores = sum(1 for line in lines[1:] if line.startswith("cpu"))
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks), cores
+
+
+def cores_used(
+    fn: Callable[[], Any], calls: int, barrier: Callable[[], None], gather: Callable[[np.ndarray], np.ndarray]
+) -> tuple[float, float]:
+    """While `calls` calls of fn run: how many of the machine's cores were busy on average (every host's
+    processes, the kernel's network processing, the links' shaping), and how many the job's processes
+    used (their processor time, summed over the ranks, per second of wall time)."""
+    barrier()
+    busy, total, cores = machine_ticks()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    barrier()
+    busy_after, total_after, _ = machine_ticks()
+    row = np.zeros(gather.size)  # type: ignore[attr-defined]
+    row[gather.rank] = cpu  # type: ignore[attr-defined]
+    job_cpu = float(gather(row).sum())
+    return round(cores * (busy_after - busy) / max(total_after - total, 1), 2), round(job_cpu / wall, 2)
 
 
 def main() -> None:
@@ -176,6 +212,10 @@ def main() -> None:
                 row["sum_host_mb"] = host_mb(sum_fn, args.bytes_calls, barrier, gather)
                 per_host = size // hosts
                 row["adasum_rank_mb"] = [round(b / per_host, 2) for b in row["adasum_host_mb"]]
+                for key, fn in (("adasum", eager), ("compiled", compiled), ("sum", sum_fn)):
+                    row[f"{key}_busy_cores"], row[f"{key}_job_cores"] = cores_used(
+                        fn, args.bytes_calls, barrier, gather
+                    )
         row["bound_mb"] = round(2 * (size - 1) / size * nbytes / 2**20, 2)
         row["host_bound_mb"] = round(2 * (hosts - 1) / hosts * nbytes / 2**20, 2)
         if rank == 0:
