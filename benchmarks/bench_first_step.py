@@ -9,9 +9,12 @@ elastic group, and every job's start, waits for.
 
 Each measurement is a process of its own (a second fit in one process would find TensorFlow's caches
 warm), one process at a time, the configurations in a rotating order over --rounds rounds; the table
-gives each configuration's median and its ratio to the unwrapped optimizer's median.
+gives each configuration's median and its ratio to the unwrapped optimizer's median. With --processes,
+jobs of N processes on this machine too (`tf_adasum.run -np N`), as an elastic group's are: each row is
+then the median over the job's processes.
 
-    python benchmarks/bench_first_step.py --rounds 5       # about 2 minutes here
+    python benchmarks/bench_first_step.py --rounds 5       # 3 minutes here
+    python benchmarks/bench_first_step.py --rounds 3 --processes 1 2 6 --models cnn
 """
 
 from __future__ import annotations
@@ -71,16 +74,18 @@ def child(model_name: str, config: str) -> None:
     print("@first " + json.dumps({"wall": wall, "cpu": cpu, "traces": len(traces)}), flush=True)
 
 
-def measure(model_name: str, config: str, timeout: float) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", model_name, config],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=True,
-    ).stdout
-    line = next(line for line in out.splitlines() if line.startswith("@first "))
-    return dict(json.loads(line[len("@first ") :]))
+def measure(model_name: str, config: str, processes: int, timeout: float) -> dict[str, float]:
+    """One job's first step: its processes' median wall and processor time, and their traces."""
+    child_command = [__file__, "--child", model_name, config]
+    if processes > 1:  # a job of several processes on this machine, as elastic.py's groups are
+        command = [sys.executable, "-m", "tf_adasum.run", "-np", str(processes), *child_command]
+    else:
+        command = [sys.executable, *child_command]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=True).stdout
+    ranks = [json.loads(line.split("@first ", 1)[1]) for line in out.splitlines() if "@first " in line]
+    if len(ranks) != processes:
+        raise RuntimeError(f"expected {processes} first steps from {command}, got {len(ranks)}:\n{out}")
+    return {key: statistics.median(r[key] for r in ranks) for key in ("wall", "cpu", "traces")}
 
 
 def main() -> None:
@@ -89,43 +94,50 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--models", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per process")
+    parser.add_argument(
+        "--processes", type=int, nargs="+", default=[1], help="processes per job (tf_adasum.run -np N)"
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(*args.child)
         return
-    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    rows: dict[tuple[int, str, str], list[dict[str, float]]] = {}
     for r in range(args.rounds):
-        for model_name in args.models:
-            order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
-            for config in order:
-                rows.setdefault((model_name, config), []).append(measure(model_name, config, args.timeout))
+        for processes in args.processes:
+            for model_name in args.models:
+                order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
+                for config in order:
+                    measured = measure(model_name, config, processes, args.timeout)
+                    rows.setdefault((processes, model_name, config), []).append(measured)
     print(
-        f"first fit step, one process, median of {args.rounds} processes each "
-        "(ratio: / the same optimizer unwrapped)"
+        f"first fit step, median over each job's processes, then over {args.rounds} jobs "
+        "(ratio: / the same optimizer unwrapped, at the same number of processes)"
     )
     print(
-        f"{'model':<12} {'optimizer':<28} {'wall s':>7} {'ratio':>6} {'cpu s':>6} {'ratio':>6} {'traces':>6}"
+        f"{'processes':>9} {'model':<12} {'optimizer':<28} {'wall s':>7} {'ratio':>6} "
+        f"{'cpu s':>6} {'ratio':>6} {'traces':>6}"
     )
     names = {
         "keras": "unwrapped",
         "average": "DistributedOptimizer Average",
         "adasum": "DistributedOptimizer Adasum",
     }
-    for model_name in args.models:
-        base = rows[(model_name, "keras")]
-        base_wall = statistics.median(m["wall"] for m in base)
-        base_cpu = statistics.median(m["cpu"] for m in base)
-        for config in CONFIGS:
-            runs = rows[(model_name, config)]
-            wall = statistics.median(m["wall"] for m in runs)
-            cpu = statistics.median(m["cpu"] for m in runs)
-            traces = "/".join(sorted({str(int(m["traces"])) for m in runs}))
-            print(
-                f"{model_name:<12} {names[config]:<28} {wall:>7.3f} {wall / base_wall:>6.2f} "
-                f"{cpu:>6.3f} {cpu / base_cpu:>6.2f} {traces:>6}"
-            )
+    for processes in args.processes:
+        for model_name in args.models:
+            base = rows[(processes, model_name, "keras")]
+            base_wall = statistics.median(m["wall"] for m in base)
+            base_cpu = statistics.median(m["cpu"] for m in base)
+            for config in CONFIGS:
+                runs = rows[(processes, model_name, config)]
+                wall = statistics.median(m["wall"] for m in runs)
+                cpu = statistics.median(m["cpu"] for m in runs)
+                traces = "/".join(sorted({f"{m['traces']:g}" for m in runs}))
+                print(
+                    f"{processes:>9} {model_name:<12} {names[config]:<28} {wall:>7.3f} "
+                    f"{wall / base_wall:>6.2f} {cpu:>6.3f} {cpu / base_cpu:>6.2f} {traces:>6}"
+                )
 
 
 if __name__ == "__main__":
