@@ -186,9 +186,10 @@ def build_before_the_trace(model: Any) -> None:
 
     Keras builds an optimizer before fit only under a strategy; without one, in the trace of the train
     step. TensorFlow traces a function whose first trace created variables a second time, so the slots
-    made there cost a second trace of the whole step: 0.2-0.3 s of processor time at each process's
-    first step for benchmarks/convergence.py's CNN. Under a strategy, and for a model whose weights
-    are made in its first call, this does nothing and Keras builds as before.
+    made there cost a second trace of the whole step: 0.1-0.2 s more at the first step of
+    benchmarks/convergence.py's CNN, 0.7-1.5 s of its Transformer (benchmarks/bench_first_step.py).
+    Under a strategy, and for a model whose weights are made in its first call, this does nothing and
+    Keras builds as before.
     """
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
