@@ -349,6 +349,29 @@ def test_fit_without_a_strategy_traces_its_train_step_once(wrapper: str) -> None
     assert len(model.optimizer.variables) > len(model.trainable_variables)  # Adam's slots, made eagerly
 
 
+def test_have_values_is_false_for_a_variable_made_in_the_trace() -> None:
+    # What the optimizer's eager build and first-step broadcast and the strategy's adoption ask before
+    # they read weights: a variable made inside the function being traced has no value until it runs.
+    from tf_adasum.variables import have_values
+
+    made = keras.Variable(np.ones(3, np.float32))
+    seen: list[bool] = []
+    inside: list[keras.Variable] = []
+
+    @tf.function
+    def step() -> tf.Tensor:
+        if not inside:
+            inside.append(keras.Variable(np.zeros(3, np.float32)))
+        with tf.init_scope():
+            seen.append(have_values([made]))
+            seen.append(have_values([made, inside[0]]))
+        return inside[0] + 1.0
+
+    step()
+    assert seen[:2] == [True, False]
+    assert have_values([made, inside[0]]) and have_values([])
+
+
 def digits_data() -> tuple[np.ndarray, ...]:
     from sklearn.datasets import load_digits
 

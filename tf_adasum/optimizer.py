@@ -35,7 +35,7 @@ from tf_adasum.compression import check_compression
 from tf_adasum.replica_state import ReplicaState
 from tf_adasum.shared_state import broadcast_variables
 from tf_adasum.tensor_lists import dense
-from tf_adasum.variables import tf_variable
+from tf_adasum.variables import have_values, tf_variable
 
 
 class _Stepping(threading.local):
@@ -197,7 +197,7 @@ def build_before_the_trace(model: Any) -> None:
     if not isinstance(_compat.loss_scale_inner(optimizer), WrappedOptimizer):
         return
     variables = list(model.trainable_variables) if getattr(model, "built", False) else []
-    if variables and all(bool(tf_variable(v).is_initialized()) for v in variables):
+    if variables and have_values(variables):
         optimizer.build(variables)
 
 
@@ -306,7 +306,7 @@ class AdasumOptimizer(WrappedOptimizer):
         if self._broadcast_owed:
             self._broadcast_owed = False
             with tf.init_scope():
-                if all(bool(tf_variable(v).is_initialized()) for v in mine):
+                if have_values(mine):
                     broadcast_variables(mine, self.root)
                     return
                 _BROADCAST_DONE[self] = tf.Variable(False, trainable=False, name="adasum_broadcast_done")

@@ -33,6 +33,7 @@ from tf_adasum import _compat, agreement, distributed, loss_scaling, sync
 from tf_adasum.errors import HookError
 from tf_adasum.optimizer import AdasumOptimizer, WrappedOptimizer
 from tf_adasum.shared_state import average_logs, average_state_over_processes, reduce_over_processes
+from tf_adasum.variables import have_values
 
 # How many of its latest distributed iterators an AdasumStrategy holds on to (its _recent_iterators).
 #
@@ -117,7 +118,7 @@ def adopt_optimizer_compiled_outside(model: Any) -> None:
     with strategy.scope():
         copy = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
         model.optimizer = wrap_under_adasum_strategy(copy)
-        if all(bool(v.value.is_initialized()) for v in model.trainable_variables):
+        if have_values(model.trainable_variables):
             model.optimizer.build(model.trainable_variables)
 
 

@@ -12,6 +12,13 @@ def tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def have_values(variables: Any) -> bool:
+    """Whether every variable (Keras or TensorFlow, possibly distributed) holds a value: False while any
+    is made in the function being traced, whose first run gives it one. Eager, so call it outside a
+    trace or under tf.init_scope. True for no variables."""
+    return all(bool(tf_variable(v).is_initialized()) for v in variables)
+
+
 def replica_values(variable: Any) -> tuple[Any, ...]:
     """Every local replica's copy of a variable, in replica order (one for a plain variable)."""
     value = tf_variable(variable)
