@@ -17,6 +17,7 @@ from tests.workers.data import (
     DEVICE_CASES,
     LANE_SHAPES,
     LOCAL,
+    PIPELINE_SHAPES,
     PROCESS_WRITES,
     REPLICA_COUNTS,
     RESUMED,
@@ -24,6 +25,7 @@ from tests.workers.data import (
     STEPS,
     lane_tensors,
     local_counts,
+    pipeline_tensors,
     rank_tensors,
     replica_tensors,
     saved,
@@ -158,6 +160,39 @@ def test_large_exchanges_in_lanes_give_the_tree_and_the_same_bits_everywhere(
         assert "ran out of data" in str(results[r]["uneven"]), results[r]["uneven"]
         np.testing.assert_array_equal(results[r]["single"], single)
         np.testing.assert_array_equal(results[r]["after"], single)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_vhdd_as_a_pipeline_of_chunks_gives_the_tree_and_the_same_bits_everywhere(
+    p: int, tmp_path: Path
+) -> None:
+    """The TF engine runs a large buffer's VHDD as a pipeline of chunks of whole tensors, each step
+    (fold, halving and gather levels, result to the folded rank) ordered only among the chunks' same
+    step (vhdd.pipelined_tensors). Through a fold (3 processes) and two levels (4), two dtypes."""
+    code = launch("tf", p, tmp_path, "pipeline", {"TF_ADASUM_ALGORITHM": "vhdd"})
+    assert code == 0, log_tail(tmp_path)
+    results = [dict(np.load(tmp_path / f"pipeline{r}.npz")) for r in range(p)]
+    want = oracle.tree([pipeline_tensors(r) for r in range(p)])
+    for i, w in enumerate(want):
+        got = results[0][f"eager_{i}"]
+        rtol = {"float32": 1e-5, "bfloat16": 4e-2}[PIPELINE_SHAPES[i][1]]
+        np.testing.assert_allclose(got.astype(np.float64), w, rtol=rtol, atol=rtol * np.max(np.abs(w)))
+        # One VHDD over the whole buffer cuts a tensor's dot products into other partial sums.
+        whole = results[0][f"whole_{i}"].astype(np.float64)
+        np.testing.assert_allclose(
+            got.astype(np.float64), whole, rtol=rtol / 10, atol=rtol / 10 * np.max(np.abs(w))
+        )
+        for r in range(p):
+            np.testing.assert_array_equal(results[r][f"eager_{i}"], got)
+            np.testing.assert_array_equal(results[r][f"function_{i}"], got)
+            np.testing.assert_array_equal(results[r][f"whole_{i}"], results[0][f"whole_{i}"])
+    stages = int(results[0]["stages"])
+    assert stages == {3: 4, 4: 4}[p]
+    # The pipeline's collectives take every step's token (no chunk is large enough for lanes), the
+    # agreement its own; one VHDD a buffer takes only the agreement's and, for the fold's 2.6 MB at 3
+    # processes, two lanes'.
+    assert int(results[0]["tokens_pipelined"]) == stages + 1, results[0]["tokens_pipelined"]
+    assert int(results[0]["tokens_whole"]) == {3: 3, 4: 1}[p], results[0]["tokens_whole"]
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])

@@ -28,6 +28,8 @@ and choosing are across_processes.py's.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -114,9 +116,21 @@ def _combine_tensors(
         return ops.adasum_segment_combine(left, right, rows, bounds)
 
 
-def vhdd_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
-    """Adasum over all ranks of a fused 1-D buffer; tensor i fills [tensor_starts[i], tensor_starts[i+1])."""
+def vhdd_tensors(
+    comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int], staged: bool = False
+) -> tf.Tensor:
+    """Adasum over all ranks of a fused 1-D buffer; tensor i fills [tensor_starts[i], tensor_starts[i+1]).
+
+    staged: each step (the fold, each halving and gather level, the result to a folded rank) is one
+    step of comm's pipeline (comm.stage), as pipelined_tensors runs it.
+    """
     p2, r = fold_size(comm.size)
+    steps = itertools.count()
+
+    def step() -> contextlib.AbstractContextManager[None]:
+        index = next(steps)
+        return comm.stage(index) if staged else contextlib.nullcontext()
+
     offsets = np.asarray(tensor_starts, np.int64)
     rank, total = comm.rank, int(offsets[-1])
     n = len(offsets) - 1
@@ -126,21 +140,24 @@ def vhdd_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[
         return buffer
 
     size = buffer.dtype.size
+    levels = _halving(rank // 2 if rank < 2 * r else rank - r, r, p2, total, align)
     if rank < 2 * r:
         if rank % 2 == 1:  # folded away: hand over, then wait for the result
-            with timeline.ops_phase("fold", peer=rank - 1, bytes=total * size):
+            with step(), timeline.ops_phase("fold", peer=rank - 1, bytes=total * size):
                 comm.exchange(rank - 1, buffer, 0, "adasum fold")
-            with timeline.ops_phase("result to folded rank", peer=rank - 1, bytes=total * size):
+            for _ in range(2 * len(levels)):  # the partner's levels
+                next(steps)
+            with step(), timeline.ops_phase("result to folded rank", peer=rank - 1, bytes=total * size):
                 return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
-        with timeline.ops_phase("fold", peer=rank + 1, bytes=total * size):
+        with step(), timeline.ops_phase("fold", peer=rank + 1, bytes=total * size):
             other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
             buffer = _combine_tensors(comm, buffer, other, everything, n, [rank])
-    v = rank // 2 if rank < 2 * r else rank - r
+    elif r:
+        next(steps)  # the fold's step, which this rank sits out
 
-    levels = _halving(v, r, p2, total, align)
     for i, level in enumerate(levels):  # buffer holds the segment that starts at level.lo
         (klo, khi), (glo, ghi), lo = level.keep, level.give, level.lo
-        with timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
+        with step(), timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
             mine = buffer[klo - lo : khi - lo]
             theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
             left, right = (mine, theirs) if level.lower else (theirs, mine)
@@ -148,14 +165,54 @@ def vhdd_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[
 
     for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
         keep_bytes = (level.keep[1] - level.keep[0]) * size
-        with timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes):
+        with step(), timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes):
             theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
             buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
 
     if rank < 2 * r:
-        with timeline.ops_phase("result to folded rank", peer=rank + 1, bytes=total * size):
+        with step(), timeline.ops_phase("result to folded rank", peer=rank + 1, bytes=total * size):
             comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
     return buffer
+
+
+def pipeline_cuts(tensor_starts: Sequence[int], itemsize: int) -> list[int]:
+    """Where pipelined_tensors cuts a fused buffer: indices into tensor_starts, from 0 to the last.
+
+    Up to PIPELINE_CHUNKS chunks of about the same bytes, each of whole tensors and at least
+    PIPELINE_BYTES; [0, n] (one chunk) for a buffer smaller than two such chunks or of one tensor.
+    """
+    offsets = np.asarray(tensor_starts, np.int64)
+    n, total = len(offsets) - 1, int(offsets[-1])
+    chunks = min(PIPELINE_CHUNKS, total * itemsize // PIPELINE_BYTES, n)
+    cuts = [0]
+    for c in range(1, max(chunks, 1)):
+        # The first tensor boundary at or past the c-th equal share, if it leaves a chunk behind.
+        cut = int(np.searchsorted(offsets, total * c // chunks))
+        if cut > cuts[-1] and cut < n and (offsets[cut] - offsets[cuts[-1]]) * itemsize >= PIPELINE_BYTES:
+            cuts.append(cut)
+    if cuts[-1] != 0 and (total - offsets[cuts[-1]]) * itemsize < PIPELINE_BYTES:
+        cuts.pop()  # the last chunk would be too small: it joins the one before
+    return [*cuts, n]
+
+
+def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int]) -> tf.Tensor:
+    """vhdd_tensors on chunks of whole tensors (pipeline_cuts), as a pipeline, where the engine runs
+    one (comm.pipeline_stages): chunk c + 1's fold or first level runs while chunk c's second runs, and
+    so on, so one chunk's dot products, block sums and combine, and a level over the host's loopback,
+    overlap another chunk's transfer on the link. Adasum's coefficients are per tensor and each tensor
+    is in one chunk, so this is the same tree, and every rank gets the same bits; only a tensor's float64
+    partial dot products may be cut where one VHDD over the whole buffer would cut them otherwise
+    (tests/test_multiprocess.py found the results bitwise equal)."""
+    cuts = pipeline_cuts(tensor_starts, buffer.dtype.size) if comm.pipeline_stages else [0]
+    if len(cuts) <= 2:
+        return vhdd_tensors(comm, buffer, tensor_starts)
+    offsets = [int(s) for s in tensor_starts]
+    chunks = []
+    for a, b in itertools.pairwise(cuts):
+        starts = [s - offsets[a] for s in offsets[a : b + 1]]
+        with timeline.ops_phase("pipeline chunk", tensors=b - a, bytes=starts[-1] * buffer.dtype.size):
+            chunks.append(vhdd_tensors(comm, buffer[offsets[a] : offsets[b]], starts, staged=True))
+    return tf.concat(chunks, 0)
 
 
 def _combine_host(
@@ -295,6 +352,11 @@ def gather_host(
 
 
 ALGORITHMS = ("vhdd", "gather")
+# pipelined_tensors: at most this many chunks, each at least this large. At 1 Gbit/s the ResNet-50 list
+# (97.5 MB, 161 tensors) took 0.67-0.93x its time as one VHDD in 4 chunks, 0.60-0.91x in 8 and
+# 0.67-0.91x in 16, on 2x1, 4x1 and 2x2 hosts (benchmarks/README.md, across hosts, round 6).
+PIPELINE_CHUNKS = 8
+PIPELINE_BYTES = 4 << 20
 # The all-gather at most this much in all (its memory and arithmetic grow with P).
 GATHER_BELOW_BYTES = 4 << 20
 # What one collective of the TF engine costs beyond its bytes (its launch, the group's resolution): the
@@ -313,7 +375,7 @@ class Algorithm(NamedTuple):
 
 
 _ALGORITHMS = {
-    "vhdd": Algorithm("vhdd", vhdd_tensors, vhdd_host),
+    "vhdd": Algorithm("vhdd", pipelined_tensors, vhdd_host),
     "gather": Algorithm("gather", gather_tensors, gather_host),
 }
 

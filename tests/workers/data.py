@@ -48,6 +48,23 @@ def lane_tensors(rank: int) -> list[np.ndarray]:
     ]
 
 
+# VHDD as a pipeline of chunks (vhdd.pipelined_tensors), with chunks of 64 KiB and up in the worker: 2.6 MB
+# of float32 in 9 tensors of uneven sizes (4 chunks) and 0.3 MB of bfloat16 in 3 (a second buffer).
+PIPELINE_SHAPES = [
+    ((n,), "float32") for n in (70001, 40000, 99991, 3, 120000, 65537, 80000, 33333, 140000)
+] + [((n,), "bfloat16") for n in (50001, 40000, 60000)]
+PIPELINE_BYTES = 64 << 10
+
+
+def pipeline_tensors(rank: int) -> list[np.ndarray]:
+    """Rank `rank`'s tensors of PIPELINE_SHAPES."""
+    rng = np.random.default_rng(300 + rank)
+    return [
+        (rng.standard_normal(s) * (rank + 1)).astype(tf.as_dtype(d).as_numpy_dtype)
+        for s, d in PIPELINE_SHAPES
+    ]
+
+
 def local_counts(case: str, size: int) -> list[int]:
     """How many replicas each process holds in the allreduce_replicas checks."""
     return {"two": [2] * size, "three": [3] * size, "uneven": [1 + q % 3 for q in range(size)]}[case]

@@ -5,6 +5,9 @@ Modes:
     collectives      eager and compiled Adasum all-reduces of rank_tensors (every dtype), again eagerly,
                      nothing at all, Sum / Average / a scalar, a broadcast, and allreduce_replicas with
                      two, three and uneven replicas per process: OUT/rank{r}.npz and collectives{r}.json
+    pipeline         Adasum of PIPELINE_SHAPES by VHDD as a pipeline of chunks, eagerly and compiled, and
+                     compiled as one VHDD per buffer, with the ordering tokens each graph takes:
+                     OUT/pipeline{r}.npz
     refusals         what every rank must raise together: a shape mismatch, a mismatch that has the
                      ranks trace different algorithms, NaN on one rank, replicas that disagree, fp16
                      compression overflowing, NaN in one replica, one rank at its epoch end and one at a
@@ -34,6 +37,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -41,9 +45,17 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
-from tests.workers.data import PROCESS_WRITES, lane_tensors, rank_tensors, replica_tensors, saved
+from tests.workers.data import (
+    PIPELINE_BYTES,
+    PROCESS_WRITES,
+    lane_tensors,
+    pipeline_tensors,
+    rank_tensors,
+    replica_tensors,
+    saved,
+)
 from tests.workers.dispatch import main
-from tf_adasum import agreement
+from tf_adasum import agreement, vhdd
 
 # A rank that dies of a signal (a SIGSEGV seen in about 1 of 30 runs of the weight-write checks) prints
 # every thread's Python stack into the launch's log.
@@ -121,6 +133,28 @@ def lanes(out: Path) -> None:
         results["uneven"] = np.array(str(error))
     results["after"] = saved(single(tensors[0])[0])
     np.savez(out / f"lanes{comm.rank}.npz", **results)
+
+
+def pipeline(out: Path) -> None:
+    comm = tf_adasum.init()
+    vhdd.PIPELINE_BYTES = PIPELINE_BYTES  # so that these few MB go as a pipeline
+    tensors = [tf.constant(x) for x in pipeline_tensors(comm.rank)]
+    results = {f"eager_{i}": saved(t) for i, t in enumerate(tf_adasum.allreduce(tensors))}
+    pipelined = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    results |= {f"function_{i}": saved(t) for i, t in enumerate(pipelined(tensors))}
+    vhdd.PIPELINE_CHUNKS = 1  # the same sync, traced again, as one VHDD per buffer
+    whole = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    results |= {f"whole_{i}": saved(t) for i, t in enumerate(whole(tensors))}
+
+    def tokens(function: Any) -> int:  # the ordering tokens the traced sync's collectives take
+        graph = function.get_concrete_function(tensors).graph
+        kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
+        return len({op.inputs[4].name for op in graph.get_operations() if op.type in kinds})
+
+    results["tokens_pipelined"] = np.array(tokens(pipelined))
+    results["tokens_whole"] = np.array(tokens(whole))
+    results["stages"] = np.array(comm.pipeline_stages)
+    np.savez(out / f"pipeline{comm.rank}.npz", **results)
 
 
 def refusals(out: Path) -> None:
@@ -477,6 +511,7 @@ def threads(out: Path) -> None:
 
 MODES = {
     "lanes": lanes,
+    "pipeline": pipeline,
     "collectives": collectives,
     "refusals": refusals,
     "dead": dead,

@@ -101,6 +101,15 @@ class Communicator(abc.ABC):
         engine that matches collectives by key needs them fixed by the signature."""
         return contextlib.nullcontext()
 
+    # How many steps of a pipeline (vhdd.pipelined_tensors) can run at once, each on its own ordering:
+    # 0 where the engine orders every collective by one chain (MPI's host calls), so nothing would overlap.
+    pipeline_stages = 0
+
+    def stage(self, step: int) -> contextlib.AbstractContextManager[None]:
+        """While one step of a pipeline is built: its collectives are ordered among that step's of every
+        chunk, not behind every collective before them. Only for step < pipeline_stages."""
+        return contextlib.nullcontext()
+
     def agree_and_gather(self, codes: tf.Tensor, buffer: tf.Tensor, what: str) -> tuple[tf.Tensor, tf.Tensor]:
         """agree(codes) and allgather(buffer): ([size, 3] codes, [size, len(buffer)] rows), in rank
         order. Two collectives here; one where codes_in_gathers."""

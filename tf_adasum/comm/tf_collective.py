@@ -180,11 +180,23 @@ class TFCollectiveCommunicator(Communicator):
         # thread, since another thread may trace collectives of its own meanwhile.
         self._keyed = threading.local()
         self._slots: dict[int, int] = {}  # key range slot -> the signature that holds it
+        # A pipeline's steps (vhdd.pipelined_tensors): VHDD's fold, halving levels, gather levels and
+        # the result to a folded rank, each with an ordering of its own, lanes included.
+        p2 = 1 << (self.size.bit_length() - 1)
+        self.pipeline_stages = 2 * (p2.bit_length() - 1) + (2 if p2 < self.size else 0)
+        self._staged = threading.local()
         with tf.init_scope(), tf.device(self.device):
             self._token = tf.Variable(0.0, trainable=False, name="tf_adasum_ordering_token")
             self._lane_tokens = [
                 tf.Variable(0.0, trainable=False, name=f"tf_adasum_lane{lane}_ordering_token")
                 for lane in range(self.LANES)
+            ]
+            self._stage_tokens = [
+                [
+                    tf.Variable(0.0, trainable=False, name=f"tf_adasum_stage{step}_lane{lane}_ordering_token")
+                    for lane in range(self.LANES + 1)  # the last: the step's collectives out of lanes
+                ]
+                for step in range(self.pipeline_stages)
             ]
         # Where each rank lands in a gather's output: the runtime sorts members by device name. The
         # same comparator orders every subgroup, so one gather over everybody calibrates them all.
@@ -211,7 +223,11 @@ class TFCollectiveCommunicator(Communicator):
         members = sorted(members)
         # A lane's collectives are a group of their own, ordered by their own token (LANES).
         key = _group_key(members if lane is None else [f"lane{lane}", *members])
-        token = self._token if lane is None else self._lane_tokens[lane]
+        step = getattr(self._staged, "step", None)
+        if step is not None:  # one step of a pipeline: ordered only among that step's collectives
+            token = self._stage_tokens[step][self.LANES if lane is None else lane]
+        else:
+            token = self._token if lane is None else self._lane_tokens[lane]
         keyed = getattr(self._keyed, "range", None)
         if instance_key is None and keyed is not None:  # in a signature's function
             base, counts = keyed
@@ -259,6 +275,22 @@ class TFCollectiveCommunicator(Communicator):
             yield
         finally:
             self._keyed.range = None
+
+    @contextlib.contextmanager
+    def stage(self, step: int) -> Iterator[None]:
+        """While one step of a pipeline is built (vhdd.pipelined_tensors): its collectives take that
+        step's ordering tokens, so the executor chains them with the same step of the chunks before and
+        after, in program order, and runs them beside the other steps' collectives. Each rank builds the
+        same steps in the same order, so every token's chain is the same everywhere."""
+        if not 0 <= step < self.pipeline_stages:
+            raise ValueError(
+                f"pipeline step {step}: this communicator has steps 0..{self.pipeline_stages - 1}"
+            )
+        self._staged.step = step
+        try:
+            yield
+        finally:
+            self._staged.step = None
 
     def peer_of(self, message: str) -> int | None:
         # The runtime names a peer by task ("/job:worker/replica:0/task:1") or by address.
