@@ -123,8 +123,10 @@ class TFCollectiveCommunicator(Communicator):
     engine = "tf"
     codes_in_gathers = True
     compiles_eager_syncs = True
-    # Keys of one signature's function: a range of this many per group, above the counted keys.
-    KEYS_PER_SIGNATURE = 64
+    # Keys of one signature's function: a range of this many per group, above the counted keys. A
+    # pipelined VHDD (vhdd.pipelined_tensors) takes up to 3 a chunk for one pair of ranks, 8 chunks a
+    # buffer, a buffer per dtype.
+    KEYS_PER_SIGNATURE = 256
     # One collective leaves the link idle while the runtime serializes the whole tensor into one message
     # before sending any of it, and while the peer parses it after the last byte. An exchange of at least
     # 2 * LANE_BYTES goes as up to LANES collectives instead, each of one part in its own lane (its own
@@ -266,7 +268,7 @@ class TFCollectiveCommunicator(Communicator):
         rank's trace of it has the same keys whatever each traced before, and a rank whose shapes differ
         (the agreement stops it before any data moves) leaves the counters as the others have them.
         Its calls reuse the keys, as a compiled train step's do."""
-        slots = 1 << 23  # below 2**29 + 2**23 * 64 = 2**30: int32 keys, far from the counters
+        slots = 1 << 21  # below 2**29 + 2**21 * 256 = 2**30: int32 keys, far from the counters
         slot = signature % slots
         while self._slots.setdefault(slot, signature) != signature:  # taken: the next free one, which
             slot = (slot + 1) % slots  # every rank finds alike, having traced the same signatures
