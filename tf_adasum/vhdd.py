@@ -186,8 +186,11 @@ def pipeline_cuts(tensor_starts: Sequence[int], itemsize: int) -> list[int]:
     chunks = min(PIPELINE_CHUNKS, total * itemsize // PIPELINE_BYTES, n)
     cuts = [0]
     for c in range(1, max(chunks, 1)):
-        # The first tensor boundary at or past the c-th equal share, if it leaves a chunk behind.
-        cut = int(np.searchsorted(offsets, total * c // chunks))
+        # The tensor boundary nearest the c-th equal share, if it leaves a chunk behind.
+        share = total * c // chunks
+        cut = int(np.searchsorted(offsets, share))
+        if cut > 0 and share - offsets[cut - 1] < offsets[cut] - share:
+            cut -= 1
         if cut > cuts[-1] and cut < n and (offsets[cut] - offsets[cuts[-1]]) * itemsize >= PIPELINE_BYTES:
             cuts.append(cut)
     if cuts[-1] != 0 and (total - offsets[cuts[-1]]) * itemsize < PIPELINE_BYTES:
@@ -201,8 +204,7 @@ def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequ
     so on, so one chunk's dot products, block sums and combine, and a level over the host's loopback,
     overlap another chunk's transfer on the link. Adasum's coefficients are per tensor and each tensor
     is in one chunk, so this is the same tree, and every rank gets the same bits; only a tensor's float64
-    partial dot products may be cut where one VHDD over the whole buffer would cut them otherwise
-    (tests/test_multiprocess.py found the results bitwise equal)."""
+    partial dot products may be cut where one VHDD over the whole buffer would cut them otherwise."""
     cuts = pipeline_cuts(tensor_starts, buffer.dtype.size) if comm.pipeline_stages else [0]
     if len(cuts) <= 2:
         return vhdd_tensors(comm, buffer, tensor_starts)

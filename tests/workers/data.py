@@ -49,7 +49,7 @@ def lane_tensors(rank: int) -> list[np.ndarray]:
 
 
 # VHDD as a pipeline of chunks (vhdd.pipelined_tensors), with chunks of 64 KiB and up in the worker: 2.6 MB
-# of float32 in 9 tensors of uneven sizes (4 chunks) and 0.3 MB of bfloat16 in 3 (a second buffer).
+# of float32 in 9 tensors of uneven sizes (7 chunks) and 0.3 MB of bfloat16 in 3 (a second buffer, 3).
 PIPELINE_SHAPES = [
     ((n,), "float32") for n in (70001, 40000, 99991, 3, 120000, 65537, 80000, 33333, 140000)
 ] + [((n,), "bfloat16") for n in (50001, 40000, 60000)]

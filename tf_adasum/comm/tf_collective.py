@@ -288,11 +288,12 @@ class TFCollectiveCommunicator(Communicator):
             raise ValueError(
                 f"pipeline step {step}: this communicator has steps 0..{self.pipeline_stages - 1}"
             )
+        outer = getattr(self._staged, "step", None)
         self._staged.step = step
         try:
             yield
         finally:
-            self._staged.step = None
+            self._staged.step = outer
 
     def peer_of(self, message: str) -> int | None:
         # The runtime names a peer by task ("/job:worker/replica:0/task:1") or by address.
