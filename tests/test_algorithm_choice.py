@@ -67,6 +67,8 @@ def test_the_pipeline_cuts_between_whole_tensors_into_chunks_of_at_least_its_flo
     # A small last tensor joins the chunk before; one large tensor last takes a chunk of its own.
     check_cuts([0, floor, 2 * floor, 2 * floor + 5], 1, [0, 1, 3])
     check_cuts([0, floor // 2, floor, 20 * floor], 1, [0, 2, 3])
+    # The boundary nearest the half leaves half a floor behind it: one chunk, not a chunk too small.
+    check_cuts([0, floor * 8 // 5, floor * 21 // 10], 1, [0, 2])
     # In float32 elements: 4 bytes each.
     check_cuts([0, floor // 4, floor // 2], 4, [0, 1, 2])
 

@@ -196,6 +196,10 @@ def test_vhdd_as_a_pipeline_of_chunks_gives_the_tree_and_the_same_bits_everywher
     whole = [int(results[r]["tokens_whole"]) for r in range(p)]
     assert pipelined == {3: [stages + 1, 3, 3], 4: [stages + 1] * 4}[p], pipelined
     assert whole == {3: [3, 3, 1], 4: [1] * 4}[p], whole
+    # Which steps: the fold is step 0, the levels 1 and 2, the result 3 (at 4 processes: the halving
+    # levels 0 and 1, the gather levels 2 and 3), on every rank the same numbers for the same step.
+    steps = [results[r]["steps_pipelined"].tolist() for r in range(p)]
+    assert steps == {3: [[0, 1, 2, 3], [0, 3], [1, 2]], 4: [[0, 1, 2, 3]] * 4}[p], steps
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])

@@ -151,8 +151,20 @@ def pipeline(out: Path) -> None:
         kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
         return len({op.inputs[4].name for op in graph.get_operations() if op.type in kinds})
 
+    def steps(function: Any) -> list[int]:  # the pipeline steps whose tokens the traced sync takes
+        graph = function.get_concrete_function(tensors).graph
+        inside = {id(outer): inner.name for outer, inner in graph.captures}
+        kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
+        taken = {op.inputs[4].name for op in graph.get_operations() if op.type in kinds}
+        return [
+            step
+            for step, lanes in enumerate(comm._stage_tokens)
+            if any(inside.get(id(token.handle)) in taken for token in lanes)
+        ]
+
     results["tokens_pipelined"] = np.array(tokens(pipelined))
     results["tokens_whole"] = np.array(tokens(whole))
+    results["steps_pipelined"] = np.array(steps(pipelined))
     results["stages"] = np.array(comm.pipeline_stages)
     np.savez(out / f"pipeline{comm.rank}.npz", **results)
 
