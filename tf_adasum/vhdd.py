@@ -125,11 +125,11 @@ def vhdd_tensors(
     step of comm's pipeline (comm.stage), as pipelined_tensors runs it.
     """
     p2, r = fold_size(comm.size)
-    steps = itertools.count()
 
-    def step() -> contextlib.AbstractContextManager[None]:
-        index = next(steps)
-        return comm.stage(index) if staged else contextlib.nullcontext()
+    def step(index: int) -> contextlib.AbstractContextManager[None]:
+        # Every rank numbers a step alike: the fold 0 (where there is one), the halving levels next,
+        # then the gather levels, the result to the folded rank last; a rank that sits one out skips it.
+        return comm.stage(index + (1 if r else 0)) if staged else contextlib.nullcontext()
 
     offsets = np.asarray(tensor_starts, np.int64)
     rank, total = comm.rank, int(offsets[-1])
@@ -143,21 +143,20 @@ def vhdd_tensors(
     levels = _halving(rank // 2 if rank < 2 * r else rank - r, r, p2, total, align)
     if rank < 2 * r:
         if rank % 2 == 1:  # folded away: hand over, then wait for the result
-            with step(), timeline.ops_phase("fold", peer=rank - 1, bytes=total * size):
+            with step(-1), timeline.ops_phase("fold", peer=rank - 1, bytes=total * size):
                 comm.exchange(rank - 1, buffer, 0, "adasum fold")
-            for _ in range(2 * len(levels)):  # the partner's levels
-                next(steps)
-            with step(), timeline.ops_phase("result to folded rank", peer=rank - 1, bytes=total * size):
+            with (
+                step(2 * len(levels)),
+                timeline.ops_phase("result to folded rank", peer=rank - 1, bytes=total * size),
+            ):
                 return comm.exchange(rank - 1, buffer[:0], total, "adasum result to folded rank")
-        with step(), timeline.ops_phase("fold", peer=rank + 1, bytes=total * size):
+        with step(-1), timeline.ops_phase("fold", peer=rank + 1, bytes=total * size):
             other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
             buffer = _combine_tensors(comm, buffer, other, everything, n, [rank])
-    elif r:
-        next(steps)  # the fold's step, which this rank sits out
 
     for i, level in enumerate(levels):  # buffer holds the segment that starts at level.lo
         (klo, khi), (glo, ghi), lo = level.keep, level.give, level.lo
-        with step(), timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
+        with step(i), timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
             mine = buffer[klo - lo : khi - lo]
             theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
             left, right = (mine, theirs) if level.lower else (theirs, mine)
@@ -165,12 +164,18 @@ def vhdd_tensors(
 
     for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
         keep_bytes = (level.keep[1] - level.keep[0]) * size
-        with step(), timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes):
+        with (
+            step(2 * len(levels) - 1 - i),
+            timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes),
+        ):
             theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
             buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
 
     if rank < 2 * r:
-        with step(), timeline.ops_phase("result to folded rank", peer=rank + 1, bytes=total * size):
+        with (
+            step(2 * len(levels)),
+            timeline.ops_phase("result to folded rank", peer=rank + 1, bytes=total * size),
+        ):
             comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
     return buffer
 

@@ -146,25 +146,22 @@ def pipeline(out: Path) -> None:
     whole = tf.function(lambda ts: tf_adasum.allreduce(ts))
     results |= {f"whole_{i}": saved(t) for i, t in enumerate(whole(tensors))}
 
-    def tokens(function: Any) -> int:  # the ordering tokens the traced sync's collectives take
-        graph = function.get_concrete_function(tensors).graph
-        kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
-        return len({op.inputs[4].name for op in graph.get_operations() if op.type in kinds})
-
-    def steps(function: Any) -> list[int]:  # the pipeline steps whose tokens the traced sync takes
+    def tokens(function: Any) -> tuple[int, list[int]]:
+        """The ordering tokens the traced sync's collectives take: how many, and which pipeline steps'."""
         graph = function.get_concrete_function(tensors).graph
         inside = {id(outer): inner.name for outer, inner in graph.captures}
         kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
         taken = {op.inputs[4].name for op in graph.get_operations() if op.type in kinds}
-        return [
+        steps = [
             step
             for step, lanes in enumerate(comm._stage_tokens)
             if any(inside.get(id(token.handle)) in taken for token in lanes)
         ]
+        return len(taken), steps
 
-    results["tokens_pipelined"] = np.array(tokens(pipelined))
-    results["tokens_whole"] = np.array(tokens(whole))
-    results["steps_pipelined"] = np.array(steps(pipelined))
+    count, steps = tokens(pipelined)
+    results["tokens_pipelined"], results["steps_pipelined"] = np.array(count), np.array(steps)
+    results["tokens_whole"] = np.array(tokens(whole)[0])
     results["stages"] = np.array(comm.pipeline_stages)
     np.savez(out / f"pipeline{comm.rank}.npz", **results)
 
