@@ -344,6 +344,10 @@ if rank == 0:
 start = time.time()
 tf_adasum.init()
 (out / f"init{rank}.json").write_text(json.dumps({"start": start, "end": time.time()}))
+# Exit only once every worker has its start-up gather: one that left first would reset the connection
+# another still read its part from (seen once in CI: "Connection reset by peer" at start-up).
+while len(list(out.glob("init*.json"))) < 3 and time.monotonic() < deadline + 60:
+    time.sleep(0.005)
 sys.stdout.flush()
 os._exit(0)
 """
