@@ -35,8 +35,10 @@ processes on each), on one cluster of max(H) hosts whose every link is reshaped 
                host): the strategy's sync with local_reduction "adasum" and "mean" against the sum
 
 Jobs get TF_ADASUM_LINK_GBITS, the measured goodput, as a user of such a cluster would set it (the TF
-engine's choice of algorithm weighs it). --timeline writes each all-reduce job's Timeline and adds its
-profile (python -m tf_adasum.timeline profile) as "profile" rows: each rank's phases per kind of sync.
+engine's choice of algorithm weighs it). MPI jobs also get every OMPI_MCA_* variable of this environment
+(Open MPI's parameters, to compare its transport's settings). --timeline writes each all-reduce job's
+Timeline and adds its profile (python -m tf_adasum.timeline profile) as "profile" rows: each rank's
+phases per kind of sync.
 
 Every row goes to stdout and to OUT/results.jsonl as a JSON line with the rate, the layout and the
 measured goodput; OUT/table.md holds the tables and OUT/time_vs_rate.png the plot of time against the
@@ -176,12 +178,14 @@ def run_job(
 ) -> dict[str, Any]:
     """One job on `layout` under `engine` (with `extra` in its environment); its rank 0's JSON rows,
     its wall time and bytes per host."""
-    env = ENV | (extra or {})
+    # Open MPI's own parameters set in this environment (OMPI_MCA_*) go to MPI jobs as well.
+    env = ENV | {k: v for k, v in os.environ.items() if k.startswith("OMPI_MCA_")} | (extra or {})
     hosts, slots = parse_layout(layout)
     np_ = hosts * slots
     path = str(ROOT / "benchmarks" / script)
     if engine == "mpi":
-        exports = [x for k, v in env.items() if k.startswith("TF_") for x in ("-x", f"{k}={v}")]
+        forwarded = [k for k in env if k.startswith(("TF_", "OMPI_MCA_"))]
+        exports = [x for k in forwarded for x in ("-x", f"{k}={env[k]}")]
         line = [MPIRUN, "--prtemca", "plm_ssh_agent", AGENT, "--host", host_list(c, layout), "-np", str(np_)]
         line = c.command(0, [*line, "--mca", "btl", "tcp,self,sm", *exports, PYTHON, path, *args])
     else:
