@@ -25,6 +25,7 @@ from tests.workers.data import (
     STEPS,
     lane_tensors,
     local_counts,
+    pipeline_one,
     pipeline_tensors,
     rank_tensors,
     replica_tensors,
@@ -200,6 +201,26 @@ def test_vhdd_as_a_pipeline_of_chunks_gives_the_tree_and_the_same_bits_everywher
     # levels 0 and 1, the gather levels 2 and 3), on every rank the same numbers for the same step.
     steps = [results[r]["steps_pipelined"].tolist() for r in range(p)]
     assert steps == {3: [[0, 1, 2, 3], [0, 3], [1, 2]], 4: [[0, 1, 2, 3]] * 4}[p], steps
+
+    # One tensor of 12 PIPELINE_BYTES: where the gather has two levels (4 processes) it goes in 8
+    # parts, each part through both gather levels; it moves bits only, so the same bits as one VHDD.
+    want = oracle.tree([[pipeline_one(r)] for r in range(p)])[0]
+    got = results[0]["one_eager"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    for r in range(p):
+        for kind in ("one_eager", "one_function", "one_whole"):
+            np.testing.assert_array_equal(results[r][kind], got)
+    one_steps = [results[r]["one_steps"].tolist() for r in range(p)]
+    per_step = [results[r]["one_per_step"].tolist() for r in range(p)]
+    if p == 4:
+        # The halving levels once each (steps 0 and 1), each gather level in 8 parts (steps 2 and 3).
+        assert one_steps == [[0, 1, 2, 3]] * 4, one_steps
+        assert [s[2:] for s in per_step] == [[8, 8]] * 4, per_step
+    else:  # one gather level: nothing to overlap, so one VHDD as before, on the shared token
+        assert one_steps == [[]] * 3, one_steps
+        assert [int(results[r]["one_tokens"]) for r in range(p)] == [
+            int(results[r]["one_whole_tokens"]) for r in range(p)
+        ]
 
 
 @pytest.mark.parametrize(("engine", "mode"), [("mpi", "absent"), ("tf", "dead")])

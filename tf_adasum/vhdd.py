@@ -117,12 +117,18 @@ def _combine_tensors(
 
 
 def vhdd_tensors(
-    comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequence[int], staged: bool = False
+    comm: Communicator,
+    buffer: tf.Tensor,
+    tensor_starts: Sequence[int],
+    staged: bool = False,
+    gather_parts: int = 1,
 ) -> tf.Tensor:
     """Adasum over all ranks of a fused 1-D buffer; tensor i fills [tensor_starts[i], tensor_starts[i+1]).
 
     staged: each step (the fold, each halving and gather level, the result to a folded rank) is one
     step of comm's pipeline (comm.stage), as pipelined_tensors runs it.
+    gather_parts: with staged, the gather goes in this many parts, each through every gather level
+    (_gather_in_parts).
     """
     p2, r = fold_size(comm.size)
 
@@ -162,14 +168,18 @@ def vhdd_tensors(
             left, right = (mine, theirs) if level.lower else (theirs, mine)
             buffer = _combine_tensors(comm, left, right, pieces(offsets, klo, khi), n, level.block)
 
-    for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
-        keep_bytes = (level.keep[1] - level.keep[0]) * size
-        with (
-            step(2 * len(levels) - 1 - i),
-            timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes),
-        ):
-            theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
-            buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
+    if staged and gather_parts > 1 and len(levels) > 1:
+        segments = sorted(_halving(v, r, p2, total, align)[-1].keep for v in range(p2))
+        buffer = _gather_in_parts(comm, buffer, levels, segments, gather_parts, align, step)
+    else:
+        for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
+            keep_bytes = (level.keep[1] - level.keep[0]) * size
+            with (
+                step(2 * len(levels) - 1 - i),
+                timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, bytes=keep_bytes),
+            ):
+                theirs = comm.exchange(level.peer, buffer, level.give[1] - level.give[0], "adasum gather")
+                buffer = tf.concat([buffer, theirs] if level.lower else [theirs, buffer], 0)
 
     if rank < 2 * r:
         with (
@@ -178,6 +188,49 @@ def vhdd_tensors(
         ):
             comm.exchange(rank + 1, buffer, 0, "adasum result to folded rank")
     return buffer
+
+
+def _gather_in_parts(
+    comm: Communicator,
+    segment: tf.Tensor,
+    levels: list[_Level],
+    segments: list[tuple[int, int]],
+    parts: int,
+    align: int,
+    step: Callable[[int], contextlib.AbstractContextManager[None]],
+) -> tf.Tensor:
+    """The gather of vhdd_tensors in `parts` parts: part k of every rank's final segment (`segments`,
+    in buffer order; this rank holds `segment`, levels[-1].keep) goes through every gather level on
+    its own, each level one step of comm's pipeline, so part k + 1's first level runs while part k's
+    second does (at 2x2 hosts: one part on the link while another crosses the host's loopback). The
+    gather moves bits only, so the result is the same bits as the gather in one part; one more copy
+    puts the parts back in the buffer's order."""
+    cuts = {
+        (lo, hi): [lo + (hi - lo) * k // parts // align * align for k in range(parts)] + [hi]
+        for lo, hi in segments
+    }
+    own = levels[-1].keep
+    gathered = []
+    for k in range(parts):
+        held = segment[cuts[own][k] - own[0] : cuts[own][k + 1] - own[0]]
+        for i, level in reversed(list(enumerate(levels))):  # held: part k of the segments in level.keep
+            glo, ghi = level.give
+            size = sum(c[k + 1] - c[k] for (lo, _), c in cuts.items() if glo <= lo < ghi)
+            with (
+                step(2 * len(levels) - 1 - i),
+                timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, part=k, bytes=size),
+            ):
+                theirs = comm.exchange(level.peer, held, size, "adasum gather")
+                held = tf.concat([held, theirs] if level.lower else [theirs, held], 0)
+        gathered.append(held)  # part k of every segment, in buffer order
+    starts = [0] * parts
+    pieces_in_order = []
+    for lo, hi in segments:
+        for k in range(parts):
+            length = cuts[(lo, hi)][k + 1] - cuts[(lo, hi)][k]
+            pieces_in_order.append(gathered[k][starts[k] : starts[k] + length])
+            starts[k] += length
+    return tf.concat(pieces_in_order, 0)
 
 
 def pipeline_cuts(tensor_starts: Sequence[int], itemsize: int) -> list[int]:
@@ -209,10 +262,16 @@ def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequ
     so on, so one chunk's dot products, block sums and combine, and a level over the host's loopback,
     overlap another chunk's transfer on the link. Adasum's coefficients are per tensor and each tensor
     is in one chunk, so this is the same tree, and every rank gets the same bits; only a tensor's float64
-    partial dot products may be cut where one VHDD over the whole buffer would cut them otherwise."""
+    partial dot products may be cut where one VHDD over the whole buffer would cut them otherwise.
+    A buffer of one chunk goes as one VHDD whose gather alone goes in parts (_gather_in_parts)."""
     cuts = pipeline_cuts(tensor_starts, buffer.dtype.size) if comm.pipeline_stages else [0]
     if len(cuts) <= 2:
-        return vhdd_tensors(comm, buffer, tensor_starts)
+        # One chunk (one tensor, or one that would leave too little for another): its gather, which
+        # moves bits only, can still go in parts of at least PIPELINE_BYTES.
+        total_bytes = int(tensor_starts[-1]) * buffer.dtype.size
+        parts = min(PIPELINE_CHUNKS, total_bytes // PIPELINE_BYTES) if comm.pipeline_stages else 1
+        staged = parts > 1 and fold_size(comm.size)[0] >= 4  # a gather of two levels or more
+        return vhdd_tensors(comm, buffer, tensor_starts, staged=staged, gather_parts=parts)
     offsets = [int(s) for s in tensor_starts]
     chunks = []
     for a, b in itertools.pairwise(cuts):

@@ -54,6 +54,13 @@ PIPELINE_SHAPES = [
     ((n,), "float32") for n in (70001, 40000, 99991, 3, 120000, 65537, 80000, 33333, 140000)
 ] + [((n,), "bfloat16") for n in (50001, 40000, 60000)]
 PIPELINE_BYTES = 64 << 10
+# One tensor of 12 PIPELINE_BYTES: its gather goes in 8 parts (PIPELINE_CHUNKS) where it has two levels.
+PIPELINE_ONE = 196613
+
+
+def pipeline_one(rank: int) -> np.ndarray:
+    """Rank `rank`'s one tensor of PIPELINE_ONE float32s."""
+    return (np.random.default_rng(400 + rank).standard_normal(PIPELINE_ONE) * (rank + 1)).astype(np.float32)
 
 
 def pipeline_tensors(rank: int) -> list[np.ndarray]:

@@ -5,9 +5,9 @@ Modes:
     collectives      eager and compiled Adasum all-reduces of rank_tensors (every dtype), again eagerly,
                      nothing at all, Sum / Average / a scalar, a broadcast, and allreduce_replicas with
                      two, three and uneven replicas per process: OUT/rank{r}.npz and collectives{r}.json
-    pipeline         Adasum of PIPELINE_SHAPES by VHDD as a pipeline of chunks, eagerly and compiled, and
-                     compiled as one VHDD per buffer, with the ordering tokens each graph takes:
-                     OUT/pipeline{r}.npz
+    pipeline         Adasum of PIPELINE_SHAPES by VHDD as a pipeline of chunks, and of one tensor
+                     (pipeline_one) with its gather in parts, eagerly and compiled, and compiled as one
+                     VHDD per buffer, with the ordering tokens each graph takes: OUT/pipeline{r}.npz
     refusals         what every rank must raise together: a shape mismatch, a mismatch that has the
                      ranks trace different algorithms, NaN on one rank, replicas that disagree, fp16
                      compression overflowing, NaN in one replica, one rank at its epoch end and one at a
@@ -49,6 +49,7 @@ from tests.workers.data import (
     PIPELINE_BYTES,
     PROCESS_WRITES,
     lane_tensors,
+    pipeline_one,
     pipeline_tensors,
     rank_tensors,
     replica_tensors,
@@ -139,29 +140,39 @@ def pipeline(out: Path) -> None:
     comm = tf_adasum.init()
     vhdd.PIPELINE_BYTES = PIPELINE_BYTES  # so that these few MB go as a pipeline
     tensors = [tf.constant(x) for x in pipeline_tensors(comm.rank)]
+    one = tf.constant(pipeline_one(comm.rank))
     results = {f"eager_{i}": saved(t) for i, t in enumerate(tf_adasum.allreduce(tensors))}
+    results["one_eager"] = saved(tf_adasum.allreduce(one))
     pipelined = tf.function(lambda ts: tf_adasum.allreduce(ts))
     results |= {f"function_{i}": saved(t) for i, t in enumerate(pipelined(tensors))}
-    vhdd.PIPELINE_CHUNKS = 1  # the same sync, traced again, as one VHDD per buffer
+    one_in_parts = tf.function(lambda t: tf_adasum.allreduce(t))
+    results["one_function"] = saved(one_in_parts(one))
+    vhdd.PIPELINE_CHUNKS = 1  # the same syncs, traced again, as one VHDD per buffer, its gather whole
     whole = tf.function(lambda ts: tf_adasum.allreduce(ts))
     results |= {f"whole_{i}": saved(t) for i, t in enumerate(whole(tensors))}
+    one_whole = tf.function(lambda t: tf_adasum.allreduce(t))
+    results["one_whole"] = saved(one_whole(one))
 
-    def tokens(function: Any) -> tuple[int, list[int]]:
-        """The ordering tokens the traced sync's collectives take: how many, and which pipeline steps'."""
-        graph = function.get_concrete_function(tensors).graph
+    def tokens(function: Any, *args: Any) -> tuple[int, list[int], list[int]]:
+        """The ordering tokens the traced sync's collectives take: how many, which pipeline steps',
+        and how many collectives take each step's."""
+        graph = function.get_concrete_function(*args).graph
         inside = {id(outer): inner.name for outer, inner in graph.captures}
         kinds = ("CollectiveGatherV2", "CollectiveReduceV2")
-        taken = {op.inputs[4].name for op in graph.get_operations() if op.type in kinds}
-        steps = [
-            step
-            for step, lanes in enumerate(comm._stage_tokens)
-            if any(inside.get(id(token.handle)) in taken for token in lanes)
+        taken = [op.inputs[4].name for op in graph.get_operations() if op.type in kinds]
+        per_step = [
+            sum(name in {inside.get(id(token.handle)) for token in lanes} for name in taken)
+            for lanes in comm._stage_tokens
         ]
-        return len(taken), steps
+        return len(set(taken)), [s for s, n in enumerate(per_step) if n], per_step
 
-    count, steps = tokens(pipelined)
+    count, steps, _ = tokens(pipelined, tensors)
     results["tokens_pipelined"], results["steps_pipelined"] = np.array(count), np.array(steps)
-    results["tokens_whole"] = np.array(tokens(whole)[0])
+    results["tokens_whole"] = np.array(tokens(whole, tensors)[0])
+    count, steps, per_step = tokens(one_in_parts, one)
+    results["one_tokens"], results["one_steps"] = np.array(count), np.array(steps)
+    results["one_per_step"] = np.array(per_step)
+    results["one_whole_tokens"] = np.array(tokens(one_whole, one)[0])
     results["stages"] = np.array(comm.pipeline_stages)
     np.savez(out / f"pipeline{comm.rank}.npz", **results)
 
