@@ -196,13 +196,15 @@ class Pool:
             for standby in dead:
                 self.waiting.remove(standby)
             ended = [s for s in self.forkservers.values() if s.process.poll() is not None]
+            orphans = []
             for server in ended:
                 del self.forkservers[server.host]
                 # Its forks would end with their exit status lost: they go too, and fill() replaces them.
-                forks = [s for s in self.waiting if s.host == server.host]
-                for standby in forks:
-                    self.waiting.remove(standby)
-                    _end(standby)
+                orphans += [s for s in self.waiting if s.host == server.host]
+            for standby in orphans:
+                self.waiting.remove(standby)
+        for standby in orphans:  # outside the lock, which take() needs: each waits for its process
+            _end(standby)
         for server in ended:
             last = [line for line in self.forkserver_tails.pop(server.host, []) if line.strip()]
             self.say(
