@@ -216,9 +216,10 @@ def _gather_in_parts(
         for i, level in reversed(list(enumerate(levels))):  # held: part k of the segments in level.keep
             glo, ghi = level.give
             size = sum(c[k + 1] - c[k] for (lo, _), c in cuts.items() if glo <= lo < ghi)
+            sent = held.shape[0] * segment.dtype.size
             with (
                 step(2 * len(levels) - 1 - i),
-                timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, part=k, bytes=size),
+                timeline.ops_phase(f"gather level {i + 1}", peer=level.peer, part=k, bytes=sent),
             ):
                 theirs = comm.exchange(level.peer, held, size, "adasum gather")
                 held = tf.concat([held, theirs] if level.lower else [theirs, held], 0)
@@ -268,9 +269,11 @@ def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequ
     if len(cuts) <= 2:
         # One chunk (one tensor, or one that would leave too little for another): its gather, which
         # moves bits only, can still go in parts of at least PIPELINE_BYTES.
-        total_bytes = int(tensor_starts[-1]) * buffer.dtype.size
-        parts = min(PIPELINE_CHUNKS, total_bytes // PIPELINE_BYTES) if comm.pipeline_stages else 1
-        staged = parts > 1 and fold_size(comm.size)[0] >= 4  # a gather of two levels or more
+        # Each part of a rank's final segment at least a quarter of PIPELINE_BYTES (1 MiB), so that
+        # many processes do not cut it into parts that cost more collectives than they overlap.
+        total_bytes, p2 = int(tensor_starts[-1]) * buffer.dtype.size, fold_size(comm.size)[0]
+        parts = min(PIPELINE_CHUNKS, total_bytes // PIPELINE_BYTES, total_bytes // (p2 * PIPELINE_BYTES // 4))
+        staged = comm.pipeline_stages > 0 and parts > 1 and p2 >= 4  # a gather of two levels or more
         return vhdd_tensors(comm, buffer, tensor_starts, staged=staged, gather_parts=parts)
     offsets = [int(s) for s in tensor_starts]
     chunks = []

@@ -125,7 +125,7 @@ class TFCollectiveCommunicator(Communicator):
     compiles_eager_syncs = True
     # Keys of one signature's function: a range of this many per group, above the counted keys. A
     # pipelined VHDD (vhdd.pipelined_tensors) takes up to 3 a chunk for one pair of ranks, 8 chunks a
-    # buffer, a buffer per dtype.
+    # buffer, a buffer per dtype; a buffer of one chunk up to 10 (its gather in 8 parts).
     KEYS_PER_SIGNATURE = 256
     # One collective leaves the link idle while the runtime serializes the whole tensor into one message
     # before sending any of it, and while the peer parses it after the last byte. An exchange of at least
