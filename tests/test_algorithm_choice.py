@@ -1,7 +1,7 @@
 """How the TF engine chooses between VHDD and one all-gather (tf_adasum/vhdd.py): by the bytes each
 sends, the link's speed and the collectives each takes; MPI always takes VHDD. And where VHDD cuts a
-large buffer into the chunks of its pipeline (vhdd.pipeline_cuts), one buffer's gather into parts
-(vhdd._gather_in_parts), and how the TF engine sums VHDD's blocks (TFCollectiveCommunicator.group_sum)."""
+large buffer into the chunks of its pipeline (vhdd.pipeline_cuts), and one buffer's gather into parts
+(vhdd._gather_in_parts)."""
 
 from __future__ import annotations
 
@@ -158,39 +158,3 @@ def test_a_gather_in_parts_gives_every_rank_the_whole_buffer_in_order(p: int) ->
         assert sorted(finals) == list(range(p2)), (total, parts, align)
         for v in range(p2):
             np.testing.assert_array_equal(finals[v], buffer, err_msg=f"p {p}, total {total}, rank {v}")
-
-
-@pytest.mark.parametrize("g", [2, 4, 8])
-def test_a_block_sum_by_recursive_doubling_gives_every_member_the_same_bits(g: int) -> None:
-    """TFCollectiveCommunicator.group_sum itself, each member of the group a thread: log2(g) exchanges
-    each, the sum on every member within float64 rounding, and the same bits on all of them."""
-    from tf_adasum.comm.tf_collective import TFCollectiveCommunicator
-
-    group = [7, 2, 5, 0, 3, 6, 1, 4][:g]  # any order: every member has the same list
-    rng = np.random.default_rng(g)
-    values = {rank: rng.standard_normal(30) * 10.0 ** rng.integers(-8, 8, 30) for rank in group}
-    pairs, sums, errors = _Pairs(), {}, []
-
-    def member(rank: int) -> None:
-        try:
-            me = _ThreadRank(rank, pairs)
-            sums[rank] = TFCollectiveCommunicator.group_sum(
-                me,  # type: ignore[arg-type]
-                tf.constant(values[rank]),
-                group,
-                "block sum",
-            ).numpy()
-            assert sum(me.count.values()) == g.bit_length() - 1, me.count
-        except BaseException as error:  # reported below, with the rank
-            errors.append((rank, error))
-
-    threads = [threading.Thread(target=member, args=(rank,)) for rank in group]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
-    want = np.sum([values[rank] for rank in group], axis=0)
-    np.testing.assert_allclose(sums[group[0]], want, rtol=1e-12, atol=0)
-    for rank in group:
-        np.testing.assert_array_equal(sums[rank], sums[group[0]])

@@ -124,10 +124,9 @@ class TFCollectiveCommunicator(Communicator):
     codes_in_gathers = True
     compiles_eager_syncs = True
     # Keys of one signature's function: a range of this many per group, above the counted keys. A
-    # pipelined VHDD (vhdd.pipelined_tensors) takes up to 2 + log2(P) a chunk for one pair of ranks (its
-    # exchanges, and a step of each block sum, group_sum), 8 chunks a buffer, a buffer per dtype; a
-    # buffer of one chunk up to 9 + log2(P) (its gather in 8 parts).
-    KEYS_PER_SIGNATURE = 512
+    # pipelined VHDD (vhdd.pipelined_tensors) takes up to 3 a chunk for one pair of ranks, 8 chunks a
+    # buffer, a buffer per dtype; a buffer of one chunk up to 10 (its gather in 8 parts).
+    KEYS_PER_SIGNATURE = 256
     # One collective leaves the link idle while the runtime serializes the whole tensor into one message
     # before sending any of it, and while the peer parses it after the last byte. An exchange of at least
     # 2 * LANE_BYTES goes as up to LANES collectives instead, each of one part in its own lane (its own
@@ -269,7 +268,7 @@ class TFCollectiveCommunicator(Communicator):
         rank's trace of it has the same keys whatever each traced before, and a rank whose shapes differ
         (the agreement stops it before any data moves) leaves the counters as the others have them.
         Its calls reuse the keys, as a compiled train step's do."""
-        slots = 1 << 20  # below 2**29 + 2**20 * 512 = 2**30: int32 keys, far from the counters
+        slots = 1 << 21  # below 2**29 + 2**21 * 256 = 2**30: int32 keys, far from the counters
         slot = signature % slots
         while self._slots.setdefault(slot, signature) != signature:  # taken: the next free one, which
             slot = (slot + 1) % slots  # every rank finds alike, having traced the same signatures
@@ -346,22 +345,8 @@ class TFCollectiveCommunicator(Communicator):
         return received
 
     def group_sum(self, values: tf.Tensor, group: Sequence[int], what: str) -> tf.Tensor:
-        """The sum over `group` of a small vector (VHDD's block sums: 3 float64 a tensor). The runtime's
-        reduction is a ring, 2 (g - 1) rounds of messages one after another, and a block sum's few
-        bytes are all latency. A group of a power of two goes by recursive doubling instead: log2(g)
-        exchanges, with the member g ^ 1, then g ^ 2, ... of the group's list (every member has the same
-        list). Both partners of an exchange add the same two vectors, and addition is commutative, so
-        every member ends with the same bits."""
-        members = list(group)
-        with timeline.ops_phase("block sum", what=what, ranks=members):
-            if len(members) & (len(members) - 1) == 0 and self.rank in members:
-                total, position, distance = values, members.index(self.rank), 1
-                while distance < len(members):
-                    peer = members[position ^ distance]
-                    total = total + self.exchange(peer, total, int(values.shape[0]), what)
-                    distance *= 2
-            else:
-                total = self._collective("reduce", values, group, what)
+        with timeline.ops_phase("block sum", what=what, ranks=list(group)):
+            total = self._collective("reduce", values, group, what)
         total.set_shape(values.shape)
         return total
 
