@@ -38,7 +38,12 @@ Jobs get TF_ADASUM_LINK_GBITS, the measured goodput, as a user of such a cluster
 engine's choice of algorithm weighs it). MPI jobs also get every OMPI_MCA_* variable of this environment
 (Open MPI's parameters, to compare its transport's settings). --timeline writes each all-reduce job's
 Timeline and adds its profile (python -m tf_adasum.timeline profile) as "profile" rows: each rank's
-phases per kind of sync.
+phases per kind of sync. --ops-profile runs one call of each kind (Adasum eager and compiled, the sum)
+of the TF engine's all-reduce jobs under TensorFlow's profiler, which sees inside a compiled call, and
+adds "ops_profile" rows (benchmarks/op_profile.py): each rank's collectives in order, each one's time,
+and the time between them. --against MODULE.NAME=VALUE times, in the same jobs, the compiled call
+against the same call traced with one of tf_adasum's constants changed, their calls alternating: an A/B
+of one setting that the noise between jobs cannot blur.
 
 Every row goes to stdout and to OUT/results.jsonl as a JSON line with the rate, the layout and the
 measured goodput; OUT/table.md holds the tables and OUT/time_vs_rate.png the plot of time against the
@@ -64,6 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import cluster  # noqa: E402
+import op_profile  # noqa: E402
 
 from tf_adasum import timeline  # noqa: E402
 
@@ -211,14 +217,16 @@ def run_job(
         reap(c)
     seconds = time.perf_counter() - start
     after = c.bytes_sent()
-    rows = []
+    rows, other = [], []
     for text in stdout.splitlines():
         text = text.removeprefix("[0] ").strip()
         if text.startswith("{"):
             try:
                 rows.append(json.loads(text))
+                continue
             except json.JSONDecodeError:
                 pass
+        other.append(text)
     job_mb = [round((a - b) / 2**20, 1) for a, b in zip(after[:hosts], before[:hosts], strict=True)]
     return {
         "rows": rows,
@@ -226,6 +234,7 @@ def run_job(
         "seconds": round(seconds, 1),
         "job_host_mb": job_mb,
         "stderr": stderr[-3000:],
+        "stdout_tail": "\n".join(other[-30:]),  # the ranks' own output, for a job that failed
     }
 
 
@@ -310,7 +319,19 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                         trace = out / "timeline" / f"{rate}-{layout}-{engine}" / "trace.json"
                         shutil.rmtree(trace.parent, ignore_errors=True)
                         extra["TF_ADASUM_TIMELINE"] = str(trace)
+                    ops_dir = None
+                    if args.against and part == "allreduce" and engine == "tf":
+                        job_args = [*job_args, "--against", args.against]
+                    if args.ops_profile and part == "allreduce" and engine == "tf":
+                        ops_dir = out / "ops_profile" / f"{rate}-{layout}"
+                        shutil.rmtree(ops_dir, ignore_errors=True)
+                        job_args = [*job_args, "--ops-profile", str(ops_dir)]
                     result = run_job(c, layout, engine, script, job_args, args.timeout, extra)
+                    if ops_dir is not None:
+                        for profiled in op_profile.summary(sorted(ops_dir.glob("*.json"))):
+                            case, kind, rank = Path(profiled.pop("path")).stem.rsplit("-", 2)
+                            which = {"case": case, "kind": kind, "rank": int(rank.removeprefix("rank"))}
+                            emit(out, {"part": "ops_profile", **cell, **which, **profiled})
                     if trace is not None:
                         events = [e for path in trace.parent.glob("*.json") for e in timeline.read(path)]
                         for profiled in timeline.profile(events):
@@ -318,7 +339,8 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                     meta = {"part": part, **cell, "job_engine": engine, "job_seconds": result["seconds"]}
                     meta["job_host_mb"] = result["job_host_mb"]
                     if result["rc"] != 0 or not result["rows"]:
-                        emit(out, {**meta, "failed": result["rc"], "stderr": result["stderr"]})
+                        failed = {"failed": result["rc"], "stderr": result["stderr"]}
+                        emit(out, {**meta, **failed, "stdout_tail": result["stdout_tail"]})
                     for row in result["rows"]:
                         emit(out, {**meta, **row})
                     print(
@@ -565,6 +587,19 @@ def main() -> None:
         help="write each all-reduce job's Timeline (OUT/timeline/RATE-LAYOUT-ENGINE/) and add its profile "
         "(python -m tf_adasum.timeline profile) to the rows: where each rank's syncs spent their time. "
         "Timing with it on adds the writing; time without it",
+    )
+    parser.add_argument(
+        "--ops-profile",
+        action="store_true",
+        help="TF engine's all-reduce jobs: also one call of each kind under TensorFlow's profiler, each "
+        'rank\'s ops in OUT/ops_profile/RATE-LAYOUT/, and their summary as "ops_profile" rows: each '
+        "collective in order, and the time between them (benchmarks/op_profile.py)",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="MODULE.NAME=VALUE",
+        help="TF engine's all-reduce jobs: also the compiled call traced with tf_adasum.MODULE.NAME set to "
+        "VALUE, alternating with the compiled call in the same job (cluster_worker.py --against)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cluster_output")
     parser.add_argument(

@@ -22,6 +22,10 @@ Rank 0 prints one JSON line per case (one tensor of each --megabytes, then the R
     bound_mb                 2 (P - 1) / P times the data: what each rank must send in a
                  bandwidth-optimal all-reduce; host_bound_mb the same with P the number of hosts, what
                  each host must send when its ranks first combine locally
+With --against MODULE.NAME=VALUE (TF engine), also the compiled call traced with that constant of
+tf_adasum changed, their calls alternating: against_ms, compiled_alternating_ms (the compiled call's
+median over the same rounds) and against_ratio, the second over the first. With --ops-profile DIR, one
+call of each kind under TensorFlow's profiler (op_profile.py), each rank's ops in DIR.
 With --horovod, hvd.allreduce(op=hvd.Adasum) instead: eagerly (horovod_ms; on the ResNet-50 list, one
 call per tensor, only with --horovod-eager-list: 6.5 s a list at 1 Gbit/s, against 1.2 s fused) and all
 in one tf.function (horovod_compiled_ms, where Horovod fuses them; horovod_host_mb is this call's).
@@ -30,12 +34,15 @@ in one tf.function (horovod_compiled_ms, where Horovod fuses them; horovod_host_
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -137,6 +144,19 @@ def main() -> None:
         help="instead: the TF engine's exchange alone, between ranks r and r ^ 1, of half of each "
         "--megabytes (VHDD's first level), compiled, in 1, 2 and 4 lanes",
     )
+    parser.add_argument(
+        "--ops-profile",
+        type=Path,
+        help="TF engine: also run one call of each kind (eager, compiled, sum) under TensorFlow's profiler "
+        "and write its ops to DIR/CASE-KIND-rankR.json (benchmarks/op_profile.py)",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="MODULE.NAME=VALUE",
+        help="TF engine: also the compiled call traced with a constant of tf_adasum.MODULE set to VALUE "
+        "(e.g. vhdd.PIPELINE_BYTES=0), its calls alternating with the compiled call's in the same job: "
+        "against_ms, compiled_alternating_ms and against_ratio (the compiled call's ÷ against_ms)",
+    )
     args = parser.parse_args()
     if args.exchanges:
         exchanges(args)
@@ -207,6 +227,13 @@ def main() -> None:
                 "sum_ms": round(summed, 2),
             }
             row |= {"ratio": round(adasum / summed, 2), "compiled_ratio": round(inside / summed, 2)}
+            if args.against:
+                row |= against(args.against, tensors, compiled, args.repeats, barrier)
+            if args.ops_profile:
+                import op_profile
+
+                for key, fn in (("eager", eager), ("compiled", compiled), ("sum", sum_fn)):
+                    op_profile.record(fn, args.ops_profile / f"{name}-{key}-rank{rank}.json", before=barrier)
             if args.bytes_calls:
                 row["adasum_host_mb"] = host_mb(eager, args.bytes_calls, barrier, gather)
                 row["sum_host_mb"] = host_mb(sum_fn, args.bytes_calls, barrier, gather)
@@ -220,6 +247,46 @@ def main() -> None:
         row["host_bound_mb"] = round(2 * (hosts - 1) / hosts * nbytes / 2**20, 2)
         if rank == 0:
             print(json.dumps(row), flush=True)
+
+
+def against(
+    setting: str,
+    tensors: list[tf.Tensor],
+    compiled: Callable[[], Any],
+    repeats: int,
+    barrier: Callable[[], None],
+) -> dict[str, Any]:
+    """The compiled call against the same call traced with one constant of tf_adasum changed: their
+    calls alternate (each after a barrier), so both see the same link and the same load."""
+    import tf_adasum
+
+    name, _, value = setting.partition("=")
+    module_name, _, constant = name.partition(".")
+    module = importlib.import_module(f"tf_adasum.{module_name}")
+    before = getattr(module, constant)
+    setattr(module, constant, type(before)(value))
+    try:  # the constant is read while the call is traced
+        other_fn = tf.function(lambda ts: tf_adasum.allreduce(ts))
+        other = lambda ts=tensors, f=other_fn: [np.asarray(x) for x in f(ts)]  # noqa: E731
+        barrier()
+        other()
+    finally:
+        setattr(module, constant, before)
+    times: dict[str, list[float]] = {"compiled": [], "against": []}
+    for i in range(WARMUP + repeats):
+        for key, fn in (("compiled", compiled), ("against", other)):
+            barrier()
+            start = time.perf_counter()
+            fn()
+            if i >= WARMUP:
+                times[key].append(1e3 * (time.perf_counter() - start))
+    mine, theirs = statistics.median(times["compiled"]), statistics.median(times["against"])
+    return {
+        "against": setting,
+        "against_ms": round(theirs, 2),
+        "compiled_alternating_ms": round(mine, 2),
+        "against_ratio": round(mine / theirs, 3),
+    }
 
 
 def exchanges(args: argparse.Namespace) -> None:
