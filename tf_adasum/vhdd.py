@@ -94,13 +94,8 @@ def _combine_tensors(
     pieces: list[tuple[int, int, int]],
     n: int,
     block: list[int],
-    counted: bool = True,
 ) -> tf.Tensor:
-    """Adasum of the segment's pieces, with dot products and norms summed over `block`.
-
-    counted: whether this rank's dot products go into the block sum; a rank whose segment another rank
-    of the block also holds (vhdd_tensors' whole last level) puts in zeros, so the segment counts once.
-    """
+    """Adasum of the segment's pieces, with dot products and norms summed over `block`."""
     if not pieces:  # this rank's segment is empty, but the block sum needs its zeros
         if len(block) > 1:
             comm.group_sum(tf.zeros([3 * n], tf.float64), block, "adasum block sum")
@@ -110,7 +105,7 @@ def _combine_tensors(
         partial = ops.adasum_segment_dot_norms(left, right, bounds)
     index = tf.constant([[t] for t, _, _ in pieces], tf.int64)
     # One row per tensor on every rank of the block, zero where this rank holds none of it.
-    flat = tf.reshape(tf.scatter_nd(index, partial if counted else tf.zeros_like(partial), [n, 3]), [-1])
+    flat = tf.reshape(tf.scatter_nd(index, partial, [n, 3]), [-1])
     if len(block) == 1:
         total = flat
     else:
@@ -127,7 +122,6 @@ def vhdd_tensors(
     tensor_starts: Sequence[int],
     staged: bool = False,
     gather_parts: int = 1,
-    whole_last_level: bool = False,
 ) -> tf.Tensor:
     """Adasum over all ranks of a fused 1-D buffer; tensor i fills [tensor_starts[i], tensor_starts[i+1]).
 
@@ -135,11 +129,6 @@ def vhdd_tensors(
     step of comm's pipeline (comm.stage), as pipelined_tensors runs it.
     gather_parts: with staged, the gather goes in this many parts, each through every gather level
     (_gather_in_parts).
-    whole_last_level: at the last halving level a rank and its peer swap their whole segments, and
-    both combine all of it: the same bytes as that level's half and its gather level together, in one
-    collective instead of two, for twice that level's arithmetic (where latency is the cost: small
-    buffers). Of each pair, the lower rank's dot products go into the block sum, the upper's are zeros,
-    so one collective gives both the same sums, and both combine the same operands: the same bits.
     """
     p2, r = fold_size(comm.size)
 
@@ -171,40 +160,19 @@ def vhdd_tensors(
             other = comm.exchange(rank + 1, buffer[:0], total, "adasum fold")
             buffer = _combine_tensors(comm, buffer, other, everything, n, [rank])
 
-    swap = whole_last_level and bool(levels)
     for i, level in enumerate(levels):  # buffer holds the segment that starts at level.lo
         (klo, khi), (glo, ghi), lo = level.keep, level.give, level.lo
-        if swap and i == len(levels) - 1:
-            hi = max(khi, ghi)
-            with (
-                step(i),
-                timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(hi - lo) * size),
-            ):
-                theirs = comm.exchange(level.peer, buffer, hi - lo, "adasum last level")
-                left, right = (buffer, theirs) if level.lower else (theirs, buffer)
-                # Over one pair (2 processes, or 3 with a fold) both hold every tensor whole: no sum.
-                block = level.block if len(levels) > 1 else [rank]
-                counted = level.lower or len(block) == 1
-                buffer = _combine_tensors(comm, left, right, pieces(offsets, lo, hi), n, block, counted)
-            break
         with step(i), timeline.ops_phase(f"halving level {i + 1}", peer=level.peer, bytes=(ghi - glo) * size):
             mine = buffer[klo - lo : khi - lo]
             theirs = comm.exchange(level.peer, buffer[glo - lo : ghi - lo], khi - klo, "adasum halving")
             left, right = (mine, theirs) if level.lower else (theirs, mine)
             buffer = _combine_tensors(comm, left, right, pieces(offsets, klo, khi), n, level.block)
 
-    gathered = levels[:-1] if swap else levels  # a whole last level leaves its gather level nothing to do
-    if staged and gather_parts > 1 and len(gathered) > 1:
-        g = len(gathered)
-        segments = sorted({_halving(v, r, p2, total, align)[g - 1].keep for v in range(p2)})
-        shift = 2 * (len(levels) - g)  # _gather_in_parts numbers g levels' steps; ours count all
-        buffer = _gather_in_parts(
-            comm, buffer, gathered, segments, gather_parts, align, lambda j: step(j + shift)
-        )
+    if staged and gather_parts > 1 and len(levels) > 1:
+        segments = sorted(_halving(v, r, p2, total, align)[-1].keep for v in range(p2))
+        buffer = _gather_in_parts(comm, buffer, levels, segments, gather_parts, align, step)
     else:
-        for i, level in reversed(
-            list(enumerate(gathered))
-        ):  # buffer holds level.keep; the peer sends the rest
+        for i, level in reversed(list(enumerate(levels))):  # buffer holds level.keep; the peer sends the rest
             keep_bytes = (level.keep[1] - level.keep[0]) * size
             with (
                 step(2 * len(levels) - 1 - i),
@@ -306,10 +274,7 @@ def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequ
         total_bytes, p2 = int(tensor_starts[-1]) * buffer.dtype.size, fold_size(comm.size)[0]
         parts = min(PIPELINE_CHUNKS, total_bytes // PIPELINE_BYTES, total_bytes // (p2 * PIPELINE_BYTES // 4))
         staged = comm.pipeline_stages > 0 and parts > 1 and p2 >= 4  # a gather of two levels or more
-        whole = not staged and total_bytes < WHOLE_LAST_LEVEL_BELOW_BYTES
-        return vhdd_tensors(
-            comm, buffer, tensor_starts, staged=staged, gather_parts=parts, whole_last_level=whole
-        )
+        return vhdd_tensors(comm, buffer, tensor_starts, staged=staged, gather_parts=parts)
     offsets = [int(s) for s in tensor_starts]
     chunks = []
     for a, b in itertools.pairwise(cuts):
@@ -463,10 +428,6 @@ PIPELINE_CHUNKS = 8
 PIPELINE_BYTES = 4 << 20
 # The all-gather at most this much in all (its memory and arithmetic grow with P).
 GATHER_BELOW_BYTES = 4 << 20
-# VHDD of a buffer below this swaps whole segments at its last halving level (vhdd_tensors'
-# whole_last_level): one collective fewer, for that level's arithmetic twice, about 0.7 ms per MB on
-# these cores against about 1-2 ms per collective across hosts (benchmarks/README.md, round 8).
-WHOLE_LAST_LEVEL_BELOW_BYTES = 4 << 20
 # What one collective of the TF engine costs beyond its bytes (its launch, the group's resolution): the
 # latency term of benchmarks/cost_model.py's model, ~1 ms on loopback and on the namespace cluster.
 COLLECTIVE_SECONDS = 1e-3
@@ -520,8 +481,7 @@ def gather_is_faster(p: int, nbytes: int, gbits: float) -> bool:
     """Whether one all-gather beats VHDD for nbytes on p ranks of the TF engine, over a link of `gbits`.
 
     The all-gather sends (p - 1) N per rank in one collective; VHDD sends the bound 2 N (p - 1) / p in
-    2 log2 p2 - 1 exchanges (its last level whole, at these sizes) and log2 p2 block sums, 2 more
-    exchanges for a fold. The all-gather wins where
+    2 log2 p2 exchanges and log2 p2 block sums, 2 more exchanges for a fold. The all-gather wins where
     the time of its extra bytes on the link is less than the latency of the collectives it saves, and
     while it stays small (GATHER_BELOW_BYTES). At p = 2 the bytes are the same.
     """
@@ -529,7 +489,7 @@ def gather_is_faster(p: int, nbytes: int, gbits: float) -> bool:
         return False
     p2, r = fold_size(p)
     levels = p2.bit_length() - 1
-    collectives = 2 * levels - 1 + (levels if levels > 1 else 0) + (2 if r else 0)
+    collectives = 3 * levels + (2 if r else 0)
     extra_bytes = nbytes * (p - 1) * (1 - 2 / p)
     return extra_bytes * 8 / (gbits * 1e9) <= (collectives - 1) * COLLECTIVE_SECONDS
 
