@@ -168,7 +168,7 @@ def vhdd_tensors(
             left, right = (mine, theirs) if level.lower else (theirs, mine)
             buffer = _combine_tensors(comm, left, right, pieces(offsets, klo, khi), n, level.block)
 
-    if staged and gather_parts > 1 and len(levels) > 1:
+    if staged and gather_parts > 1:
         segments = sorted(_halving(v, r, p2, total, align)[-1].keep for v in range(p2))
         buffer = _gather_in_parts(comm, buffer, levels, segments, gather_parts, align, step)
     else:
@@ -268,12 +268,12 @@ def pipelined_tensors(comm: Communicator, buffer: tf.Tensor, tensor_starts: Sequ
     cuts = pipeline_cuts(tensor_starts, buffer.dtype.size) if comm.pipeline_stages else [0]
     if len(cuts) <= 2:
         # One chunk (one tensor, or one that would leave too little for another): its gather, which
-        # moves bits only, can still go in parts of at least PIPELINE_BYTES.
-        # Each part of a rank's final segment at least a quarter of PIPELINE_BYTES (1 MiB), so that
-        # many processes do not cut it into parts that cost more collectives than they overlap.
+        # moves bits only, can still go in parts, each at least PIPELINE_BYTES of the buffer and a
+        # quarter of that (1 MiB) of a rank's final segment, so that many processes do not cut it into
+        # parts that cost more collectives than they overlap; where the gather has two levels or more.
         total_bytes, p2 = int(tensor_starts[-1]) * buffer.dtype.size, fold_size(comm.size)[0]
         parts = min(PIPELINE_CHUNKS, total_bytes // PIPELINE_BYTES, total_bytes // (p2 * PIPELINE_BYTES // 4))
-        staged = comm.pipeline_stages > 0 and parts > 1 and p2 >= 4  # a gather of two levels or more
+        staged = comm.pipeline_stages > 0 and parts > 1 and p2 >= 4
         return vhdd_tensors(comm, buffer, tensor_starts, staged=staged, gather_parts=parts)
     offsets = [int(s) for s in tensor_starts]
     chunks = []
