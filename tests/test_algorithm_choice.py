@@ -1,7 +1,7 @@
 """How the TF engine chooses between VHDD and one all-gather (tf_adasum/vhdd.py): by the bytes each
 sends, the link's speed and the collectives each takes; MPI always takes VHDD. And where VHDD cuts a
 large buffer into the chunks of its pipeline (vhdd.pipeline_cuts), and one buffer's gather into parts
-(vhdd._gather_in_parts)."""
+(vhdd._gather_in_parts), and VHDD itself on any number of ranks, each rank a thread."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import oracle
 from tf_adasum import vhdd
 from tf_adasum.tree import fold_size
 
@@ -94,6 +95,7 @@ class _Pairs:
 
     def __init__(self) -> None:
         self.box: dict[tuple[int, int, int], np.ndarray] = {}
+        self.sums: dict[tuple[tuple[int, ...], int, int], np.ndarray] = {}  # (block, nth sum, rank)
         self.changed = threading.Condition()
 
 
@@ -158,3 +160,98 @@ def test_a_gather_in_parts_gives_every_rank_the_whole_buffer_in_order(p: int) ->
         assert sorted(finals) == list(range(p2)), (total, parts, align)
         for v in range(p2):
             np.testing.assert_array_equal(finals[v], buffer, err_msg=f"p {p}, total {total}, rank {v}")
+
+
+class _ThreadComm(_ThreadRank):
+    """A rank of _Pairs with what vhdd_tensors needs beside exchanges: its size, block sums that meet in
+    the mailbox too (every member adds the block's values in rank order: one collective, the same bits
+    for all), and a pipeline's steps (which only order collectives, so here they do nothing)."""
+
+    def __init__(self, rank: int, size: int, pairs: _Pairs) -> None:
+        super().__init__(rank, pairs)
+        self.size, self.calls = size, collections.Counter[str]()
+        self.sums = collections.Counter[tuple[int, ...]]()
+
+    def exchange(self, peer: int, send: tf.Tensor, recv_size: int, what: str) -> tf.Tensor:
+        self.calls["exchange"] += 1
+        return super().exchange(peer, send, recv_size, what)
+
+    def group_sum(self, values: tf.Tensor, group: list[int], what: str) -> tf.Tensor:
+        self.calls["block sum"] += 1
+        key = tuple(sorted(group))
+        n = self.sums[key]
+        self.sums[key] += 1
+        with self.pairs.changed:
+            self.pairs.sums[(key, n, self.rank)] = values.numpy()
+            self.pairs.changed.notify_all()
+            arrived = self.pairs.changed.wait_for(
+                lambda: all((key, n, q) in self.pairs.sums for q in key), timeout=30
+            )
+            assert arrived, f"rank {self.rank}: block sum {n} over {key} never completed"
+            total = self.pairs.sums[(key, n, key[0])].copy()
+            for q in key[1:]:
+                total += self.pairs.sums[(key, n, q)]
+        return tf.constant(total)
+
+    def stage(self, step: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _vhdd_everywhere(
+    rows: list[np.ndarray], starts: list[int], gather_parts: int = 1
+) -> tuple[list[np.ndarray], list[collections.Counter[str]]]:
+    """vhdd.vhdd_tensors on every rank's row, each rank a thread (staged, with gather_parts > 1): each
+    rank's result and the calls it made."""
+    p = len(rows)
+    pairs, results, errors = _Pairs(), [np.empty(0)] * p, []
+    comms = [_ThreadComm(rank, p, pairs) for rank in range(p)]
+
+    def rank_of(rank: int) -> None:
+        try:
+            results[rank] = vhdd.vhdd_tensors(
+                comms[rank],  # type: ignore[arg-type]
+                tf.constant(rows[rank]),
+                starts,
+                staged=gather_parts > 1,
+                gather_parts=gather_parts,
+            ).numpy()
+        except BaseException as error:  # reported below, with the rank
+            errors.append((rank, error))
+
+    threads = [threading.Thread(target=rank_of, args=(rank,)) for rank in range(p)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results, [c.calls for c in comms]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 7, 8, 12])
+def test_vhdd_on_any_number_of_ranks_gives_the_tree_with_the_same_bits_everywhere(p: int) -> None:
+    """vhdd_tensors itself, each rank a thread: the fold, every halving level's exchange, dot products,
+    block sum and combine, the gather, the result to the folded ranks. Every rank gets the same bits and
+    the contract tree's values, with tensors cut across segments; each rank makes the exchanges and
+    block sums VHDD takes; and from 4 ranks its gather in 3 parts gives the same bits. (The processes of
+    tests/test_multiprocess.py check it on TensorFlow's runtime at 3 and 4.)"""
+    rng = np.random.default_rng(p)
+    sizes = [0, 7, 1000, 33, 4096, 1, 250]  # an empty tensor, odd sizes: tensors cut across segments
+    starts = [0, *itertools.accumulate(sizes)]
+    rows = [rng.standard_normal(starts[-1]).astype(np.float32) for _ in range(p)]
+    got, calls = _vhdd_everywhere(rows, starts)
+    for rank in range(p):
+        np.testing.assert_array_equal(got[rank], got[0], err_msg=f"rank {rank}")
+    want = np.concatenate(oracle.tree([[row[a:b] for a, b in itertools.pairwise(starts)] for row in rows]))
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    p2, r = fold_size(p)
+    levels = p2.bit_length() - 1
+    for rank in range(p):
+        if rank < 2 * r and rank % 2 == 1:  # folded away: its buffer there, the result back
+            assert calls[rank] == {"exchange": 2}, (rank, calls[rank])
+        else:  # the fold's survivors take the fold and the result too
+            folds = 2 if rank < 2 * r else 0
+            assert calls[rank] == {"exchange": 2 * levels + folds, "block sum": levels}, (rank, calls[rank])
+    if p2 >= 4:
+        parted, _ = _vhdd_everywhere(rows, starts, gather_parts=3)
+        for rank in range(p):
+            np.testing.assert_array_equal(parted[rank], got[0], err_msg=f"rank {rank}, in parts")
