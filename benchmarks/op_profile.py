@@ -34,10 +34,12 @@ def record(fn: Callable[[], Any], path: Path, before: Callable[[], Any] | None =
         if before is not None:
             before()
         tf.profiler.experimental.start(logdir)
-        start_ns = time.time_ns()
-        fn()
-        end_ns = time.time_ns()
-        tf.profiler.experimental.stop()
+        try:
+            start_ns = time.time_ns()
+            fn()
+            end_ns = time.time_ns()
+        finally:  # a call that raises leaves no profiler running
+            tf.profiler.experimental.stop()
         written = sorted(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True))
         if not written:
             raise RuntimeError(f"TensorFlow's profiler wrote no trace under {logdir}")
