@@ -9,6 +9,7 @@ import collections
 import contextlib
 import itertools
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -116,35 +117,45 @@ class _ThreadRank:
         return tf.constant(got)
 
 
-def _gather_everywhere(p: int, buffer: np.ndarray, parts: int, align: int) -> dict[int, np.ndarray]:
-    """What each rank of the gather (virtual rank) holds after vhdd._gather_in_parts, each a thread."""
-    p2, r = fold_size(p)
-    total = buffer.size
-    segments = sorted(vhdd._halving(u, r, p2, total, align)[-1].keep for u in range(p2))
-    pairs, finals, errors = _Pairs(), {}, []
+def _each_rank_a_thread(ranks: int, run: Callable[[int], None]) -> None:
+    """run(rank) for every rank at once, each in a thread; fails naming each rank that raised."""
+    errors = []
 
-    def rank_of(v: int) -> None:
+    def guarded(rank: int) -> None:
         try:
-            levels = vhdd._halving(v, r, p2, total, align)
-            lo, hi = levels[-1].keep
-            finals[v] = vhdd._gather_in_parts(
-                _ThreadRank(vhdd.virtual_to_real(v, r), pairs),  # type: ignore[arg-type]
-                tf.constant(buffer[lo:hi]),
-                levels,
-                segments,
-                parts,
-                align,
-                lambda step: contextlib.nullcontext(),
-            ).numpy()
+            run(rank)
         except BaseException as error:  # reported below, with the rank
-            errors.append((v, error))
+            errors.append((rank, error))
 
-    threads = [threading.Thread(target=rank_of, args=(v,)) for v in range(p2)]
+    threads = [threading.Thread(target=guarded, args=(rank,)) for rank in range(ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
     assert not errors, errors
+
+
+def _gather_everywhere(p: int, buffer: np.ndarray, parts: int, align: int) -> dict[int, np.ndarray]:
+    """What each rank of the gather (virtual rank) holds after vhdd._gather_in_parts, each a thread."""
+    p2, r = fold_size(p)
+    total = buffer.size
+    segments = sorted(vhdd._halving(u, r, p2, total, align)[-1].keep for u in range(p2))
+    pairs, finals = _Pairs(), {}
+
+    def rank_of(v: int) -> None:
+        levels = vhdd._halving(v, r, p2, total, align)
+        lo, hi = levels[-1].keep
+        finals[v] = vhdd._gather_in_parts(
+            _ThreadRank(vhdd.virtual_to_real(v, r), pairs),  # type: ignore[arg-type]
+            tf.constant(buffer[lo:hi]),
+            levels,
+            segments,
+            parts,
+            align,
+            lambda step: contextlib.nullcontext(),
+        ).numpy()
+
+    _each_rank_a_thread(p2, rank_of)
     return finals
 
 
@@ -203,27 +214,19 @@ def _vhdd_everywhere(
     """vhdd.vhdd_tensors on every rank's row, each rank a thread (staged, with gather_parts > 1): each
     rank's result and the calls it made."""
     p = len(rows)
-    pairs, results, errors = _Pairs(), [np.empty(0)] * p, []
+    pairs, results = _Pairs(), [np.empty(0)] * p
     comms = [_ThreadComm(rank, p, pairs) for rank in range(p)]
 
     def rank_of(rank: int) -> None:
-        try:
-            results[rank] = vhdd.vhdd_tensors(
-                comms[rank],  # type: ignore[arg-type]
-                tf.constant(rows[rank]),
-                starts,
-                staged=gather_parts > 1,
-                gather_parts=gather_parts,
-            ).numpy()
-        except BaseException as error:  # reported below, with the rank
-            errors.append((rank, error))
+        results[rank] = vhdd.vhdd_tensors(
+            comms[rank],  # type: ignore[arg-type]
+            tf.constant(rows[rank]),
+            starts,
+            staged=gather_parts > 1,
+            gather_parts=gather_parts,
+        ).numpy()
 
-    threads = [threading.Thread(target=rank_of, args=(rank,)) for rank in range(p)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
+    _each_rank_a_thread(p, rank_of)
     return results, [c.calls for c in comms]
 
 
