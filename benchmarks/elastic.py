@@ -102,6 +102,7 @@ def launch(
         sys.executable, "-m", "tf_adasum.run", "--elastic",
         "-np", str(args.np), "--min-np", str(args.np - args.kill), "--max-np", str(args.np),
         "--host-discovery-script", f"cat {discovery}",
+        "--host-discovery-interval", str(args.discovery_interval),
         "--reset-limit", "4", "--state-dir", str(state_dir), "--timeout", str(args.job_timeout),
         str(WORKER), *worker_args, "--discovery-file", str(discovery),
     ]  # fmt: skip
@@ -462,7 +463,7 @@ def plot(runs: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) 
 
 PARAMETERS = [
     "np", "kill", "steps", "kill_step", "grow_step", "eval_every", "batches_per_commit",
-    "train_examples", "lr", "seed", "peer_timeout", "phase_steps",
+    "train_examples", "lr", "seed", "peer_timeout", "phase_steps", "discovery_interval",
 ]  # fmt: skip
 # The launcher's and tf_adasum.elastic's lines that the recovery times need, kept with the events.
 KEPT_LINES = (LEAVE, GROUP_START, GROUP_END, NOTICE)
@@ -524,6 +525,8 @@ def load_run(
     lines = [(r["t"], r["kind"], r["line"]) for r in records if r["ev"] == "line"]
     events = [r for r in records if r["ev"] not in ("line", "job")]
     job.setdefault("tf_adasum", {"start": "unknown", "end": "unknown"})
+    if job["parameters"]:
+        job["parameters"].setdefault("discovery_interval", 1.0)  # runs before the option: every second
     return job["code"], events, lines, job["wall"], job["parameters"], job["tf_adasum"]
 
 
@@ -665,7 +668,8 @@ def report(args: argparse.Namespace, elapsed: float | None) -> bool:
     (args.out / "summary.txt").write_text(
         f"python benchmarks/elastic.py{' --smoke' if args.smoke else ''}: N = {args.np} -> "
         f"{args.np - args.kill} -> {args.np}, model {args.model}, {args.steps} steps, lr {args.lr:g}, "
-        f"batches_per_commit {args.batches_per_commit}, seed {args.seed}\n\n{joined}\n"
+        f"batches_per_commit {args.batches_per_commit}, seed {args.seed}, "
+        f"discovery every {args.discovery_interval:g} s\n\n{joined}\n"
     )
     if runs:
         plot(runs, args, args.out / "accuracy_vs_step.png")
@@ -703,6 +707,10 @@ def main() -> int:
     parser.add_argument("--kill-step", type=int, default=125)
     parser.add_argument("--grow-step", type=int, default=250, help="the discovery file says N again here")
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument(
+        "--discovery-interval", type=float, default=1.0,
+        help="the launcher's --host-discovery-interval: seconds between two reads of the discovery file (1)",
+    )  # fmt: skip
     parser.add_argument("--batches-per-commit", type=int, default=10)
     parser.add_argument("--train-examples", type=int, default=0, help="0: all ~20k")
     parser.add_argument(

@@ -236,8 +236,9 @@ def test_fewer_than_min_np_workers_end_the_job_naming_the_lost(tmp_path: Path) -
 def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
     slots = tmp_path / "slots"
     slots.write_text("127.0.0.1:2\n")
+    runs = tmp_path / "discovery_runs"
     discovery = tmp_path / "discover.sh"
-    discovery.write_text(f"#!/bin/sh\ncat {slots}\n")
+    discovery.write_text(f"#!/bin/sh\ndate +%s.%N >> {runs}\ncat {slots}\n")
     discovery.chmod(0o755)
     code, log, _ = launch(
         tmp_path,
@@ -247,9 +248,14 @@ def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> N
         "3",
         "--host-discovery-script",
         str(discovery),
+        "--host-discovery-interval",
+        "0.25",
         env={"FAULT": "0:0:2:grow", "SLOTS_FILE": str(slots), "SLOW_BATCH": "0.6", "EPOCHS": "8"},
     )  # long enough for the launcher to ready 3 warm processes (the group trains meanwhile)
     assert code == 0, tail(log)
+    # The script ran every --host-discovery-interval seconds (1 s by default), give or take a busy machine.
+    gaps = np.diff([float(t) for t in runs.read_text().split()])
+    assert len(gaps) > 8 and 0.2 < float(np.median(gaps)) < 0.6, gaps
     assert "more slots reported; the group grows at its next commit" in log, tail(log)
     assert "group 1: 3 process(es)" in log, tail(log)
     # The new member, too, came from the pool.
@@ -434,6 +440,8 @@ def test_the_launcher_refuses_sizes_it_cannot_keep() -> None:
         elastic_launch(3, ["true"], min_np=4)
     with pytest.raises(ValueError, match=r"-H 'a:1,b:1' has 2 slots for -np 3"):
         elastic_launch(3, ["true"], hosts="a:1,b:1")
+    with pytest.raises(ValueError, match=r"expected a --host-discovery-interval above 0 seconds, got -1"):
+        elastic_launch(3, ["true"], discovery_script="true", discovery_interval=-1)
 
 
 def test_restart_exit_code_is_not_a_common_one() -> None:

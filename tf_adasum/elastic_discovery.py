@@ -1,5 +1,6 @@
 """The slots an elastic job may use: the host discovery script's latest answer (Horovod's
---host-discovery-script, run by the launcher every second), or -H's, or N on this host."""
+--host-discovery-script, run by the launcher every --host-discovery-interval seconds, 1 s as Horovod's),
+or -H's, or N on this host."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import sys
 
 from tf_adasum.elastic_policy import parse_slots
 
+# Horovod's period. A growth waits half of it on average before the launcher sees the new slots.
+DEFAULT_INTERVAL_SECONDS = 1.0
+
 
 class Discovery:
-    """The slots the job may use: the discovery script's latest answer, or -H's."""
+    """The slots the job may use: the discovery script's latest answer, or -H's; `interval`: the seconds
+    between two runs of the script."""
 
-    def __init__(self, script: str | None, hosts: str | None, np: int) -> None:
-        self.script = script
+    def __init__(
+        self, script: str | None, hosts: str | None, np: int, interval: float = DEFAULT_INTERVAL_SECONDS
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"expected a --host-discovery-interval above 0 seconds, got {interval}")
+        self.script, self.interval = script, interval
         self.static = parse_slots(hosts.replace(",", "\n")) if hosts else {"127.0.0.1": np}
         self.problem: str | None = None
 

@@ -14,9 +14,9 @@ for the rest of the job). Fewer than --min-np workers for --elastic-timeout seco
 --reset-limit resets, end the job with an error naming the lost workers.
 
 The slots come from --host-discovery-script (horovodrun's: it prints `host:slots` lines; it is run
-every DISCOVERY_SECONDS) or from -H. When the script reports more slots than the group uses, and the
-group is smaller than --max-np, the launcher posts a notice; rank 0 reads it, and every rank leaves at
-the next commit, so the next group is larger.
+every --host-discovery-interval seconds, 1 by default) or from -H. When the script reports more slots
+than the group uses, and the group is smaller than --max-np, the launcher posts a notice; rank 0 reads
+it, and every rank leaves at the next commit, so the next group is larger.
 
 No TensorFlow here: the launcher starts in a fraction of a second.
 """
@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tf_adasum import elastic_policy as policy
-from tf_adasum.elastic_discovery import Discovery
+from tf_adasum.elastic_discovery import DEFAULT_INTERVAL_SECONDS, Discovery
 from tf_adasum.elastic_pool import ENV_STANDBY, Pool, Standby
 from tf_adasum.elastic_protocol import NoticeBoard, new_secret, peer_timeout_seconds, process_environment
 from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, start
 from tf_adasum.launch_output import Output
 
-DISCOVERY_SECONDS = 1.0
 # A new group waits this long for a warm process that is still importing before starting one cold.
 WARM_WAIT_SECONDS = 120.0
 # The pool is refilled this long after a group starts (at the launcher's next look at the discovery): the
@@ -85,6 +84,7 @@ def elastic_launch(
     max_np: int | None = None,
     hosts: str | None = None,
     discovery_script: str | None = None,
+    discovery_interval: float = DEFAULT_INTERVAL_SECONDS,
     reset_limit: int | None = None,
     elastic_timeout: float = 600.0,
     timeout: float | None = None,
@@ -102,7 +102,8 @@ def elastic_launch(
         min_np: the fewest workers the job goes on with (default np).
         max_np: the most workers (default np).
         hosts: -H host:slots,... (without a discovery script); default np slots on 127.0.0.1.
-        discovery_script: prints the available host:slots lines; run every second.
+        discovery_script: prints the available host:slots lines; run every `discovery_interval` seconds.
+        discovery_interval: the seconds between two runs of the discovery script (1, as Horovod's).
         reset_limit: how many resets (new groups after the first) the job may take; None: any number.
         elastic_timeout: how long to wait for min_np slots before giving up.
         timeout: seconds after which everything is killed (exit code 124).
@@ -120,7 +121,7 @@ def elastic_launch(
     max_np = np if max_np is None else max_np
     if not 1 <= min_np <= np <= max_np:
         raise ValueError(f"expected 1 <= --min-np <= -np <= --max-np, got {min_np}, {np}, {max_np}")
-    discovery = Discovery(discovery_script, hosts, np)
+    discovery = Discovery(discovery_script, hosts, np, discovery_interval)
     if not discovery_script and sum(discovery.static.values()) < np:
         raise ValueError(f"-H {hosts!r} has {sum(discovery.static.values())} slots for -np {np}")
     job = ElasticJob(
@@ -317,7 +318,7 @@ class ElasticJob:
                     f"The last commits are in {self.job_dir(max(group - 1, 0))} "
                     "(resume with --resume-from)"
                 )
-            time.sleep(DISCOVERY_SECONDS)
+            time.sleep(self.discovery.interval)
 
     def job_dir(self, group: int) -> str:
         """Where the launcher keeps a copy of group `group`'s commits, on its own host."""
@@ -425,7 +426,7 @@ class ElasticJob:
         first_exit: float | None = None
         last_alone: float | None = None
         grow_seen: float | None = None  # when more slots were first seen
-        next_discovery = time.monotonic() + DISCOVERY_SECONDS
+        next_discovery = time.monotonic() + self.discovery.interval
         try:
             while True:
                 now = time.monotonic()
@@ -456,7 +457,7 @@ class ElasticJob:
                     _say("killed every process after the --timeout")
                     return 124
                 if now > next_discovery:
-                    next_discovery = now + DISCOVERY_SECONDS
+                    next_discovery = now + self.discovery.interval
                     if (
                         first_exit is None
                         and not self.notices.posted(group)

@@ -131,7 +131,16 @@ def main() -> None:
     elastic.add_argument(
         "--host-discovery-script",
         default=None,
-        help="prints the available host:slots lines; run every second",
+        help="prints the available host:slots lines; run every --host-discovery-interval seconds",
+    )
+    elastic.add_argument(
+        "--host-discovery-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between two runs of the discovery script (1, as Horovod's). A growth waits half of "
+        "it on average before the launcher sees the new slots: a script that reads a file can run every "
+        "0.1-0.25 s, one that asks a cloud's API should not",
     )
     elastic.add_argument("--reset-limit", type=int, default=None, help="the most resets (default: no limit)")
     elastic.add_argument(
@@ -188,6 +197,7 @@ def main() -> None:
             ("--min-np", args.min_np),
             ("--max-np", args.max_np),
             ("--host-discovery-script", args.host_discovery_script),
+            ("--host-discovery-interval", args.host_discovery_interval),
             ("--reset-limit", args.reset_limit),
             ("--state-dir", args.state_dir),
             ("--resume-from", args.resume_from),
@@ -198,6 +208,7 @@ def main() -> None:
     if elastic_only and not args.elastic:
         parser.error(f"{', '.join(elastic_only)} only go with --elastic")
     if args.elastic:
+        from tf_adasum.elastic_discovery import DEFAULT_INTERVAL_SECONDS
         from tf_adasum.elastic_launcher import elastic_launch
 
         if args.hosts and args.host_discovery_script:
@@ -210,6 +221,11 @@ def main() -> None:
                 max_np=args.max_np,
                 hosts=args.hosts,
                 discovery_script=args.host_discovery_script,
+                discovery_interval=(
+                    DEFAULT_INTERVAL_SECONDS
+                    if args.host_discovery_interval is None
+                    else args.host_discovery_interval
+                ),
                 reset_limit=args.reset_limit,
                 elastic_timeout=args.elastic_timeout,
                 timeout=args.timeout,
