@@ -201,6 +201,13 @@ def test_vhdd_as_a_pipeline_of_chunks_gives_the_tree_and_the_same_bits_everywher
     # levels 0 and 1, the gather levels 2 and 3), on every rank the same numbers for the same step.
     steps = [results[r]["steps_pipelined"].tolist() for r in range(p)]
     assert steps == {3: [[0, 1, 2, 3], [0, 3], [1, 2]], 4: [[0, 1, 2, 3]] * 4}[p], steps
+    # With lanes from 32 KiB, every step's exchanges go in its lanes: the same steps, more tokens (each
+    # lane's of each step), and the same bits, since lanes move bits only.
+    for r in range(p):
+        for i in range(len(want)):
+            np.testing.assert_array_equal(results[r][f"lanes_{i}"], results[r][f"function_{i}"])
+        assert results[r]["steps_lanes"].tolist() == steps[r]
+        assert int(results[r]["tokens_lanes"]) > pipelined[r] + len(steps[r]), (r, results[r]["tokens_lanes"])
 
     # One tensor of 12 PIPELINE_BYTES: where the gather has two levels (4 processes) it goes in 8
     # parts, each part through both gather levels; it moves bits only, so the same bits as one VHDD.

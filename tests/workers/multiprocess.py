@@ -147,6 +147,7 @@ def pipeline(out: Path) -> None:
     results |= {f"function_{i}": saved(t) for i, t in enumerate(pipelined(tensors))}
     one_in_parts = tf.function(lambda t: tf_adasum.allreduce(t))
     results["one_function"] = saved(one_in_parts(one))
+    chunks = vhdd.PIPELINE_CHUNKS
     vhdd.PIPELINE_CHUNKS = 1  # the same syncs, traced again, as one VHDD per buffer, its gather whole
     whole = tf.function(lambda ts: tf_adasum.allreduce(ts))
     results |= {f"whole_{i}": saved(t) for i, t in enumerate(whole(tensors))}
@@ -174,6 +175,15 @@ def pipeline(out: Path) -> None:
     results["one_per_step"] = np.array(per_step)
     results["one_whole_tokens"] = np.array(tokens(one_whole, one)[0])
     results["stages"] = np.array(comm.pipeline_stages)
+
+    # Lanes inside the pipeline's steps: with lanes from 32 KiB, each chunk's exchanges and gather levels
+    # go as several collectives, each in its step's lane.
+    vhdd.PIPELINE_CHUNKS = chunks
+    comm.LANE_BYTES = 16 << 10
+    in_lanes = tf.function(lambda ts: tf_adasum.allreduce(ts))
+    results |= {f"lanes_{i}": saved(t) for i, t in enumerate(in_lanes(tensors))}
+    count, steps, _ = tokens(in_lanes, tensors)
+    results["tokens_lanes"], results["steps_lanes"] = np.array(count), np.array(steps)
     np.savez(out / f"pipeline{comm.rank}.npz", **results)
 
 
