@@ -243,6 +243,33 @@ def _written(out: Path) -> dict[str, object]:
     return dict(json.loads(out.read_text()))
 
 
+def _silent_stranger_of_another_user(address: str) -> bytes:
+    """What a process of user nobody reads within 5 s from `address`, having sent nothing (as root)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: user nobody, connects, sends nothing, reports what it read
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
+                stranger.connect(address)
+                stranger.settimeout(5)
+                try:
+                    got = b"closed:" + stranger.recv(1)
+                except TimeoutError:
+                    got = b"timed out"
+            os.write(write, got)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as report:
+        said = report.read()
+    os.waitpid(pid, 0)
+    assert said.startswith(b"closed:"), said
+    return said[len(b"closed:") :]
+
+
 @pytest.mark.multiprocess
 def test_warm_processes_are_forks_of_one_server_that_stand_for_a_process_of_the_launchers(
     tmp_path: Path,
@@ -286,6 +313,10 @@ def test_warm_processes_are_forks_of_one_server_that_stand_for_a_process_of_the_
             send_message(stranger, {"env": {ENV_SECRET: "guess"}})
             stranger.settimeout(10)
             assert stranger.recv(1) == b""
+        # Another user's connection is closed before the server reads anything (it would otherwise hold
+        # the server for the read's 10 s timeout): here, one that sends nothing.
+        if os.getuid() == 0:
+            assert _silent_stranger_of_another_user(f"\0tf_adasum-{pool.token}-127.0.0.1") == b""
         assert _forks_of(server) <= forks
     finally:
         pool.close()

@@ -44,7 +44,10 @@ def _peer_uid(connection: socket.socket) -> int:
 
 
 def _request(connection: socket.socket, secret: str) -> tuple[list[int], dict[str, str]] | None:
-    """A relay's streams and environment; None (and the streams closed) for anyone else."""
+    """A relay's streams and environment; None (and the streams closed) for anyone else. Another user's
+    connection is refused before anything is read, so it cannot hold the server for the read's timeout."""
+    if _peer_uid(connection) != os.getuid():
+        return None
     connection.settimeout(10)
     fds: list[int] = []
     try:
@@ -56,7 +59,6 @@ def _request(connection: socket.socket, secret: str) -> tuple[list[int], dict[st
     if (
         len(fds) != 3
         or not isinstance(env, dict)
-        or _peer_uid(connection) != os.getuid()
         or not is_secret(env.get(ENV_SECRET), secret)
     ):
         for fd in fds:
