@@ -56,11 +56,7 @@ def _request(connection: socket.socket, secret: str) -> tuple[list[int], dict[st
     except (OSError, ValueError):
         message = None
     env = (message or {}).get("env")
-    if (
-        len(fds) != 3
-        or not isinstance(env, dict)
-        or not is_secret(env.get(ENV_SECRET), secret)
-    ):
+    if len(fds) != 3 or not isinstance(env, dict) or not is_secret(env.get(ENV_SECRET), secret):
         for fd in fds:
             os.close(fd)
         return None
