@@ -475,6 +475,32 @@ def test_state_commit_restore_and_the_optimizer_in_one_process() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_an_elastic_sync_spares_adasums_broadcast_before_the_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a KerasState's sync every process holds root's weights; AdasumOptimizer's broadcast before
+    its first step would send the whole model again at every group's start. A fit with no sync before it
+    still broadcasts, once."""
+    broadcasts: list[int] = []
+    real = tf_adasum.optimizer.broadcast_variables
+    monkeypatch.setattr(
+        tf_adasum.optimizer,
+        "broadcast_variables",
+        lambda variables, root: (broadcasts.append(len(variables)), real(variables, root)),
+    )
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    for synced in (False, True):
+        broadcasts.clear()
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+        model.compile(optimizer=optimizer, loss="mse")
+        state = elastic.KerasState(model, epoch=0, batch=0)
+        if synced:
+            state.sync()
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        assert broadcasts == ([] if synced else [2]), (synced, broadcasts)
+
+
 def test_the_run_wrapper_outside_the_launcher_raises_a_lost_peer() -> None:
     state = elastic.ObjectState(epoch=0)
 

@@ -12,8 +12,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import distributed, engine
+from tf_adasum import _compat, distributed, engine
 from tf_adasum.elastic_state import ObjectState, State
+from tf_adasum.optimizer import AdasumOptimizer
 from tf_adasum.variables import replica_values, variable_name
 
 
@@ -105,6 +106,15 @@ class TensorFlowKerasState(TensorFlowState):
     def _own_variables(self) -> list[tuple[str, list[Any]]]:
         optimizer = list(self.optimizer.variables) if self.optimizer is not None else []
         return [("model", list(self.model.variables)), ("optimizer", optimizer)]
+
+    def _sync(self, reset: bool) -> None:
+        super()._sync(reset)
+        # Every process now holds root's trainable weights: a new one took them, and a survivor loaded
+        # its own of the same commit, which Adasum kept bit for bit the same on every rank. The broadcast
+        # that an AdasumOptimizer makes before its first step would send the whole model again.
+        inner = _compat.loss_scale_inner(self.optimizer)
+        if isinstance(inner, AdasumOptimizer):
+            inner.weights_agreed()
 
 
 KerasState = TensorFlowKerasState

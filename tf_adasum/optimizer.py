@@ -293,6 +293,14 @@ class AdasumOptimizer(WrappedOptimizer):
 
         tf.distribute.get_replica_context().merge_call(build_in_cross_replica_context)
 
+    def weights_agreed(self) -> None:
+        """Says that every process holds root's weights already (an elastic state's sync), so that the
+        first step does not broadcast them again: a collective of the whole model at every group's start.
+        The optimizer must be built (a later build would owe the broadcast again)."""
+        if not self.built:
+            raise ValueError(f"optimizer {self.name!r}: weights_agreed() before build()")
+        self._broadcast_owed = False
+
     def _broadcast_at_the_first_step(self, distribution: Any, variables: list[Any]) -> None:
         """Every process takes root's weights before its first step, as MultiWorkerMirroredStrategy and
         Horovod's broadcast callback arrange; otherwise each would keep its own initialisation.
