@@ -14,7 +14,6 @@ import tensorflow as tf
 
 from tf_adasum import _compat, distributed, engine
 from tf_adasum.elastic_state import ObjectState, State
-from tf_adasum.optimizer import AdasumOptimizer
 from tf_adasum.variables import replica_values, variable_name
 
 
@@ -111,10 +110,11 @@ class TensorFlowKerasState(TensorFlowState):
         super()._sync(reset)
         # Every process now holds root's trainable weights: a new one took them, and a survivor loaded
         # its own of the same commit, which Adasum kept bit for bit the same on every rank. The broadcast
-        # that an AdasumOptimizer makes before its first step would send the whole model again.
-        inner = _compat.loss_scale_inner(self.optimizer)
-        if isinstance(inner, AdasumOptimizer):
-            inner.weights_agreed()
+        # that an AdasumOptimizer makes before its first step would send the whole model again. (Asked
+        # by name: the optimizer's module stands above this one.)
+        agreed = getattr(_compat.loss_scale_inner(self.optimizer), "weights_agreed", None)
+        if agreed is not None:
+            agreed()
 
 
 KerasState = TensorFlowKerasState
