@@ -16,9 +16,8 @@ from typing import Any
 
 import tensorflow as tf
 
-# The peer timeout is the elastic protocol's too (the launcher waits on it without TensorFlow): one owner.
-from tf_adasum.elastic_protocol import DEFAULT_TIMEOUT_SECONDS as DEFAULT_TIMEOUT_SECONDS
-from tf_adasum.elastic_protocol import peer_timeout_seconds as timeout_seconds
+from tf_adasum.settings import DEFAULT_TIMEOUT_SECONDS as DEFAULT_TIMEOUT_SECONDS
+from tf_adasum.settings import peer_timeout_seconds as timeout_seconds
 
 
 class PeerError(RuntimeError):
