@@ -1,10 +1,9 @@
 """The elastic launcher's services and its pool of warm processes, each on its own (tf_adasum/
-elastic_protocol.py, tf_adasum/elastic_pool.py): they answer only the job's secret, listen no wider than
-asked, and a warm process runs a script as a cold one would."""
+elastic_protocol.py, tf_adasum/elastic_pool.py): they answer only holders of the job's key, listen no
+wider than asked, and a warm process runs a script as a cold one would."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -21,49 +20,75 @@ from tf_adasum.elastic_pool import ENV_FORKSERVER, Pool
 from tf_adasum.elastic_protocol import (
     ENV_DRIVER,
     ENV_GENERATION,
-    ENV_SECRET,
-    SECRET_HEADER,
     NoticeBoard,
     SlotNotices,
-    new_secret,
-    send_message,
     watch_for_end,
 )
+from tf_adasum.secret import ENV_SECRET, AuthenticationError, Channel, new_secret
+from tf_adasum.service import ask
 
 # Times how soon a watcher hears: `make test` runs it after the rest, alone on the machine.
 pytestmark = pytest.mark.alone
 
 
-def _get(board: NoticeBoard, path: str, secret: str | None) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection(*board.server_address[:2], timeout=30)
-    connection.request("GET", path, headers={SECRET_HEADER: secret} if secret is not None else {})
-    answer = connection.getresponse()
-    return answer.status, answer.read()
+def _ask(board: NoticeBoard, request: dict[str, object], key: str | None = None) -> dict[str, object]:
+    return ask(board.address, board.key if key is None else key, request, timeout=30, max_blob=1 << 20)[0]
+
+
+def _stranger(address: str, sent: bytes) -> bytes:
+    """What a stranger that sends `sent` (no proof of the key) reads after the service's greeting and
+    nonce, until the service closes the connection (a reset too: it leaves the rest unread)."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as stranger:
+        greeting = b""
+        while len(greeting) < len(b"tf_adasum-1\n") + 16:
+            greeting += stranger.recv(64)
+        assert greeting.startswith(b"tf_adasum-1\n"), greeting
+        stranger.sendall(sent)
+        received = b""
+        try:
+            while chunk := stranger.recv(4096):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    return received
 
 
 @pytest.fixture
 def board(tmp_path: Path):  # type: ignore[no-untyped-def]
     board = NoticeBoard("127.0.0.1", new_secret(), str(tmp_path / "job"))
-    threading.Thread(target=board.serve_forever, daemon=True).start()
     yield board
-    board.shutdown()
+    board.close()
 
 
-def test_the_notice_service_answers_the_jobs_secret_alone(board: NoticeBoard) -> None:
-    assert board.server_address[0] == "127.0.0.1", "it listens where the workers reach it, no wider"
-    assert _get(board, "/updates?generation=0", None) == (403, b"")
-    assert _get(board, "/updates?generation=0", "not the secret") == (403, b"")
-    assert _get(board, "/updates?generation=0", board.secret) == (200, b"0")
+def test_the_notice_service_answers_the_jobs_key_alone(board: NoticeBoard) -> None:
+    assert board.address.startswith("127.0.0.1:"), "it listens where the workers reach it, no wider"
+    with pytest.raises(AuthenticationError, match="it holds another key"):
+        _ask(board, {"ask": "updates", "generation": 0}, key=new_secret())
+    # A stranger gets the greeting and a nonce, then the door shut: no answer, whatever it sends.
+    request = b"GET /updates?generation=0 HTTP/1.1\r\nX-TF-Adasum-Secret: guess\r\n\r\n" + bytes(64)
+    assert _stranger(board.address, request) == b""
+    assert _ask(board, {"ask": "updates", "generation": 0}) == {"notice": 0}
     board.post(0)
-    status, body = _get(board, "/updates?generation=0", board.secret)
-    assert status == 200 and int(body) > 0
-    assert _get(board, "/updates?generation=1", board.secret) == (200, b"0")
-    assert _get(board, "/updates?generation=1&after=0", None) == (403, b"")
+    assert int(str(_ask(board, {"ask": "updates", "generation": 0})["notice"])) > 0
+    assert _ask(board, {"ask": "updates", "generation": 1}) == {"notice": 0}
+    assert "error" in _ask(board, {"ask": "updates", "generation": "0"})
+
+
+def test_a_process_refuses_an_impostor_of_the_launcher(board: NoticeBoard, tmp_path: Path) -> None:
+    """Replies are authenticated too: a service that does not hold the key (another user's, on a port the
+    launcher once had) is refused before the process sends or reads anything; a reply that was altered on
+    the way is refused before it is read as an answer."""
+    impostor = NoticeBoard("127.0.0.1", new_secret(), str(tmp_path / "other"))
+    try:
+        with pytest.raises(AuthenticationError, match="not this job's service"):
+            ask(impostor.address, board.key, {"ask": "state", "path": "x"}, timeout=10)
+    finally:
+        impostor.close()
 
 
 def test_rank_0_hears_a_notice_of_added_slots_as_soon_as_it_is_posted(board: NoticeBoard) -> None:
-    address = "{}:{}".format(*board.server_address[:2])
-    notices = {group: SlotNotices(address, group, board.secret) for group in (1, 2, 3)}
+    notices = {group: SlotNotices(board.address, group, board.key) for group in (1, 2, 3)}
     time.sleep(1.0)
     board.post(0)  # another group's notice is not theirs
     time.sleep(0.2)
@@ -83,14 +108,13 @@ def test_rank_0_hears_a_notice_of_added_slots_as_soon_as_it_is_posted(board: Not
 def test_a_groups_end_is_held_until_it_comes_then_told_to_each_of_its_processes(
     board: NoticeBoard, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert _get(board, "/ended?generation=0", None) == (403, b"")
-    monkeypatch.setenv(ENV_DRIVER, "{}:{}".format(*board.server_address[:2]))
-    monkeypatch.setenv(ENV_SECRET, board.secret)
+    monkeypatch.setenv(ENV_DRIVER, board.address)
+    monkeypatch.setenv(ENV_SECRET, board.key)
     monkeypatch.setenv(ENV_GENERATION, "1")
     told: list[tuple[str, float]] = []
     watch_for_end(lambda reason: told.append((reason, time.monotonic())))
     held = threading.Thread(
-        target=lambda: told.append((_get(board, "/ended?generation=1", board.secret)[1].decode(), 0))
+        target=lambda: told.append((str(_ask(board, {"ask": "ended", "generation": 1})["reason"]), 0))
     )
     held.start()
     time.sleep(1.0)
@@ -107,10 +131,9 @@ def test_a_groups_end_is_held_until_it_comes_then_told_to_each_of_its_processes(
         time.sleep(0.05)
     assert sorted(reason for reason, _ in told) == ["rank 2 (w2@127.0.0.1) lost: killed by SIGKILL"] * 2
     assert max(at for _, at in told) - ended < 1.0, "the watcher hears at once, not at its next poll"
-    assert _get(board, "/ended?generation=1", board.secret) == (
-        200,
-        b"rank 2 (w2@127.0.0.1) lost: killed by SIGKILL",
-    )
+    assert _ask(board, {"ask": "ended", "generation": 1}) == {
+        "reason": "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL"
+    }
 
 
 def test_the_launchers_copy_of_a_commit_is_served_once_copied_and_nothing_outside_its_folder(
@@ -119,19 +142,24 @@ def test_the_launchers_copy_of_a_commit_is_served_once_copied_and_nothing_outsid
     copy = tmp_path / "job" / "group0" / "rank1-w1.pkl"
     copy.parent.mkdir(parents=True)
     board.copying(str(copy))
-    answers: list[tuple[int, bytes]] = []
-    asked = threading.Thread(target=lambda: answers.append(_get(board, f"/state?path={copy}", board.secret)))
+    answers: list[tuple[dict[str, object], bytes]] = []
+
+    def state(path: Path) -> tuple[dict[str, object], bytes]:
+        return ask(board.address, board.key, {"ask": "state", "path": str(path)}, timeout=30, max_blob=64)
+
+    asked = threading.Thread(target=lambda: answers.append(state(copy)))
     asked.start()
     time.sleep(0.5)
     assert not answers, "a copy still being made is not served"
     copy.write_bytes(b"commits")
     board.copied(str(copy))
     asked.join(30)
-    assert answers == [(200, b"commits")]
+    assert answers == [({"found": True}, b"commits")]
     (tmp_path / "secret.txt").write_text("not the job's")
-    assert _get(board, f"/state?path={tmp_path / 'secret.txt'}", board.secret)[0] == 404
-    assert _get(board, f"/state?path={tmp_path}/job/../secret.txt", board.secret)[0] == 404
-    assert _get(board, f"/state?path={copy}", None) == (403, b"")
+    assert state(tmp_path / "secret.txt") == ({"found": False}, b"")
+    assert state(tmp_path / "job" / ".." / "secret.txt") == ({"found": False}, b"")
+    os.symlink(tmp_path / "secret.txt", copy.parent / "rank2-w2.pkl")  # a link in the folder: not followed
+    assert state(copy.parent / "rank2-w2.pkl") == ({"found": False}, b"")
 
 
 CHILD = """
@@ -141,6 +169,25 @@ json.dump({"argv": sys.argv, "cwd": os.getcwd(), "setting": os.environ.get("A_SE
           open(os.environ["OUT"], "w"))
 sys.exit(int(os.environ.get("CODE", "0")))
 """
+
+
+def _flooded(address: str) -> int:
+    """How much of a 64 MiB hello the service takes from a stranger that cannot prove the key (the
+    pool's old hello was a length-prefixed message of up to 4 GiB, read whole before its secret was
+    checked: 400 MiB took the launcher from 24 to 424 MiB)."""
+    host, _, port = address.rpartition(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as stranger:
+        stranger.recv(64)  # the greeting and the service's nonce
+        chunk = b"\xff" * (1 << 20)
+        try:
+            stranger.sendall(b"\xff\xff\xff\xff" + bytes(44))  # a wrong proof, or a 4 GiB length
+            while sent < 64 << 20:
+                stranger.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset: the service closed the connection, the rest unread
+            pass
+    return sent
 
 
 def _wait_ready(pool: Pool, host: str, count: int) -> None:
@@ -158,11 +205,8 @@ def test_a_warm_process_runs_a_script_as_a_cold_one_would(tmp_path: Path) -> Non
     try:
         pool.fill({"127.0.0.1": 2})
         _wait_ready(pool, "127.0.0.1", 2)
-        # Anyone without the secret is shut out; the pool's processes stay as they were.
-        with socket.create_connection(pool.address.rsplit(":", 1)) as stranger:
-            send_message(stranger, {"secret": "guess", "standby": "s0"})
-            stranger.settimeout(10)
-            assert stranger.recv(1) == b""
+        # Anyone without the key is shut out; the pool's processes stay as they were.
+        assert _flooded(pool.address) < 16 << 20
         assert pool.ready_on("127.0.0.1") == 2
 
         script = tmp_path / "child.py"
@@ -205,6 +249,9 @@ if os.environ.get("THEN") == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if os.environ.get("THEN") == "stop":
     os.kill(os.getpid(), signal.SIGSTOP)
+if os.environ.get("THEN") == "sleep":
+    import time
+    time.sleep(120)
 """
 
 
@@ -307,16 +354,17 @@ def test_warm_processes_are_forks_of_one_server_that_stand_for_a_process_of_the_
 
         # Nobody else gets a fork: a request without the job's secret is closed, nothing forked.
         forks = _forks_of(server)
+        name = "\0" + pool.forkserver_names["127.0.0.1"]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stranger:
-            stranger.connect(f"\0tf_adasum-{pool.token}-127.0.0.1")
-            socket.send_fds(stranger, [b"F"], [0, 1, 2])
-            send_message(stranger, {"env": {ENV_SECRET: "guess"}})
+            stranger.connect(name)
             stranger.settimeout(10)
+            assert stranger.recv(64).startswith(b"tf_adasum-1\n")
+            socket.send_fds(stranger, [bytes(48)], [0, 1, 2])  # streams, but no proof of the key
             assert stranger.recv(1) == b""
         # Another user's connection is closed before the server reads anything (it would otherwise hold
-        # the server for the read's 10 s timeout): here, one that sends nothing.
+        # the server for the read's timeout): here, one that sends nothing.
         if os.getuid() == 0:
-            assert _silent_stranger_of_another_user(f"\0tf_adasum-{pool.token}-127.0.0.1") == b""
+            assert _silent_stranger_of_another_user(name) == b""
         assert _forks_of(server) <= forks
     finally:
         pool.close()
@@ -336,6 +384,7 @@ def test_a_fork_server_that_dies_is_said_and_replaced_and_a_relay_without_one_im
         # The server dies: its waiting forks go with it (their exit statuses would be lost), it is said,
         # and the next fill starts another.
         first = pool.forkservers["127.0.0.1"].process
+        first_name = pool.forkserver_names["127.0.0.1"]
         first.kill()
         first.wait(30)
         pool.reap()
@@ -344,7 +393,24 @@ def test_a_fork_server_that_dies_is_said_and_replaced_and_a_relay_without_one_im
         pool.fill({"127.0.0.1": 1})
         _wait_ready(pool, "127.0.0.1", 1)
         assert pool.forkservers["127.0.0.1"].process.pid != first.pid
+        # A fresh name no one could have bound before it (128 random bits): not the dead one's.
+        name = pool.forkserver_names["127.0.0.1"]
+        assert name != first_name and len(name.rsplit("-", 1)[1]) == 32
         assert _run(pool, tmp_path / "a.json").wait(60) == 0
+
+        # The server dies while a fork of it runs: no one could pass on the fork's exit status, so its
+        # relay kills it and ends at once, saying so (it waited for the --timeout, or reported a fork
+        # that still ran as ended).
+        pool.fill({"127.0.0.1": 1})
+        _wait_ready(pool, "127.0.0.1", 1)
+        relay = _run(pool, tmp_path / "lost.json", then="sleep")
+        fork = int(str(_written(tmp_path / "lost.json")["pid"]))
+        os.kill(pool.forkservers["127.0.0.1"].process.pid, signal.SIGKILL)
+        _, error = relay.communicate(timeout=10)
+        assert relay.returncode == 1, error.decode(errors="replace")[-2000:]
+        assert b"the fork server (pid" in error and b"this member of the group is lost" in error
+        assert _gone(fork, within=5)
+        pool.reap()
 
         # A relay told of no fork server: a warm process of its own, which says so, runs the script.
         environment = pool._environment
@@ -358,6 +424,109 @@ def test_a_fork_server_that_dies_is_said_and_replaced_and_a_relay_without_one_im
         assert b"no fork server is named; this warm process imports TensorFlow itself" in error
     finally:
         pool.close()
+
+
+class _Refused(Exception):
+    pass
+
+
+def _refuse(why: str) -> None:
+    raise _Refused(why)
+
+
+def _squatter(name: str, report: int, ready: int) -> None:
+    """In a forked child: binds the abstract socket `name`, takes one connection and writes to `report`
+    what came over it within 3 s: bytes and passed descriptors."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    os.write(ready, b"1")
+    listener.settimeout(10)
+    connection, _ = listener.accept()
+    connection.settimeout(3)
+    received, fds = 0, 0
+    try:
+        while True:
+            data, ancillary, _, _ = connection.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+            received += len(data)
+            fds += sum(len(item[2]) // 4 for item in ancillary)
+            if not data:
+                break
+    except OSError:
+        pass
+    os.write(report, f"{received} {fds}".encode())
+
+
+def test_a_relay_sends_nothing_to_a_fork_server_name_that_another_user_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name that another user bound (after the job's fork server died: it was visible in
+    /proc/net/unix and reused) got the relay's streams and its environment with the job's key. Now the
+    relay checks the server's user first, and sends nothing to another's."""
+    if os.getuid() != 0:
+        pytest.skip("becoming another user (nobody) needs root; CI runs as root")
+    from tf_adasum import elastic_relay
+
+    name = f"tf_adasum-{new_secret()[:32]}"
+    report_read, report_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            _squatter(name, report_write, ready_write)
+        finally:
+            os._exit(0)
+    os.close(report_write)
+    os.close(ready_write)
+    assert os.read(ready_read, 1) == b"1"
+    monkeypatch.setenv(ENV_SECRET, new_secret())
+    monkeypatch.setattr(elastic_relay, "_import_it_here", _refuse)
+    with pytest.raises(_Refused, match=r"held by uid 65534, not by this job's user \(0\)"):
+        elastic_relay._fork(name)
+    with os.fdopen(report_read, "rb") as report:
+        got = report.read().decode()
+    os.waitpid(pid, 0)
+    os.close(ready_read)
+    assert got == "0 0", f"the squatter received (bytes, descriptors) {got}"
+
+
+def test_a_relay_sends_nothing_to_a_fork_server_that_does_not_hold_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same user's socket, answered by something without the job's key: refused at the handshake,
+    with only the relay's nonce and proof sent (no streams, no environment)."""
+    from tf_adasum import elastic_relay
+
+    name = f"tf_adasum-{new_secret()[:32]}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    received: list[tuple[int, int]] = []
+
+    def impostor() -> None:
+        connection, _ = listener.accept()
+        try:
+            Channel.accept(connection, new_secret())  # another key: the relay's proof fails here
+        except AuthenticationError:
+            connection.sendall(bytes(32))  # answers with a proof anyway
+        connection.settimeout(3)
+        data, ancillary, _, _ = connection.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+        received.append((len(data), sum(len(item[2]) // 4 for item in ancillary)))
+        connection.close()
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    monkeypatch.setenv(ENV_SECRET, new_secret())
+    monkeypatch.setattr(elastic_relay, "_import_it_here", _refuse)
+    try:
+        with pytest.raises(_Refused, match=r"the fork server refused or ended \(.*not this job's service"):
+            elastic_relay._fork(name)
+    finally:
+        thread.join(10)
+        listener.close()
+    assert received == [(0, 0)], "nothing after the proof: no streams, no environment"
 
 
 STARTER = """

@@ -13,8 +13,10 @@ configures the collective runtime itself, as a new process would (checked by tes
 with a real group of forked processes). What a fork would share that a new process would not, the child
 renews: numpy's global random state, and the threads tf_adasum starts at import (os.register_at_fork).
 
-The relays reach it on an abstract Unix socket (its name in ENV_FORKSERVER) and must be of the same user
-and carry the job's secret. It ends when the launcher closes its connection to the pool's server.
+The relays reach it on an abstract Unix socket (its name in ENV_FORKSERVER, fresh at each start). A relay
+must be of the same user (checked before anything is read) and prove it holds the job's key, as the
+server proves it back (secret.Channel); the key itself does not cross: each child takes the server's. It
+ends when the launcher closes its connection to the pool's server.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import sys
 import threading
 
@@ -32,36 +33,36 @@ import numpy as np
 
 from tf_adasum import elastic_standby
 from tf_adasum.elastic_pool import ENV_FORKSERVER, ENV_STANDBY
-from tf_adasum.elastic_protocol import ENV_POOL, ENV_SECRET, is_secret, receive_message, send_message
+from tf_adasum.elastic_protocol import ENV_POOL
+from tf_adasum.secret import ENV_SECRET, Channel
+from tf_adasum.service import HANDSHAKE_SECONDS, connect, peer_credentials
 
 # How often the server looks for ended children, to pass each one's exit status to its relay.
 REAP_SECONDS = 0.02
 
 
-def _peer_uid(connection: socket.socket) -> int:
-    pid_uid_gid = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", pid_uid_gid)[1])
-
-
-def _request(connection: socket.socket, secret: str) -> tuple[list[int], dict[str, str]] | None:
-    """A relay's streams and environment; None (and the streams closed) for anyone else. Another user's
-    connection is refused before anything is read, so it cannot hold the server for the read's timeout."""
-    if _peer_uid(connection) != os.getuid():
+def _request(connection: socket.socket, secret: str) -> tuple[Channel, list[int], dict[str, str]] | None:
+    """A relay's channel, streams and environment; None (and the streams closed) for anyone else. Another
+    user's connection is refused before anything is read, so it cannot hold the server for the read's
+    timeout; one of this user's must prove the key within HANDSHAKE_SECONDS."""
+    if peer_credentials(connection)[1] != os.getuid():
         return None
-    connection.settimeout(10)
+    connection.settimeout(HANDSHAKE_SECONDS)
     fds: list[int] = []
     try:
+        channel = Channel.accept(connection, secret)
         _, fds, _, _ = socket.recv_fds(connection, 1, 3)
-        message = receive_message(connection)
+        message, _ = channel.receive()
     except (OSError, ValueError):
-        message = None
-    env = (message or {}).get("env")
-    if len(fds) != 3 or not isinstance(env, dict) or not is_secret(env.get(ENV_SECRET), secret):
+        message = {}
+    env = message.get("env")
+    if len(fds) != 3 or not isinstance(env, dict):
         for fd in fds:
             os.close(fd)
         return None
     connection.settimeout(None)
-    return fds, {str(k): str(v) for k, v in env.items()}
+    # The relay does not send the key: the child takes the server's, which is the job's.
+    return channel, fds, {**{str(k): str(v) for k, v in env.items()}, ENV_SECRET: secret}
 
 
 def serve() -> tuple[socket.socket, dict[str, str]] | None:
@@ -71,21 +72,23 @@ def serve() -> tuple[socket.socket, dict[str, str]] | None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + os.environ[ENV_FORKSERVER])
     listener.listen(64)
-    host, _, port = os.environ[ENV_POOL].rpartition(":")
-    launcher = socket.create_connection((host, int(port)), timeout=30)
-    send_message(launcher, {"secret": secret, "standby": os.environ[ENV_STANDBY]})
-    children: dict[int, socket.socket] = {}
+    pool = connect(os.environ[ENV_POOL], secret, timeout=30)
+    pool.send({"standby": os.environ[ENV_STANDBY]})
+    launcher = pool.connection
+    launcher.settimeout(None)
+    children: dict[int, Channel] = {}
     # What the imports made stays out of every fork's garbage collections, which would otherwise touch
     # (and so copy) each of its pages in every fork (as Python's documentation advises for forking).
     gc.freeze()
     while True:
-        ready, _, _ = select.select([listener, launcher, *children.values()], [], [], REAP_SECONDS)
+        watched = [listener, launcher, *(c.connection for c in children.values())]
+        ready, _, _ = select.select(watched, [], [], REAP_SECONDS)
         _reap(children)
         if launcher in ready and not launcher.recv(1):
             listener.close()
             return None
-        for pid, connection in list(children.items()):
-            if connection in ready and not _alive(connection):
+        for pid, relay in list(children.items()):
+            if relay.connection in ready and not _alive(relay.connection):
                 # The relay is gone (killed by the launcher): so goes its child, even a stopped one,
                 # which could not run its own watch (_end_with_the_relay).
                 _kill(pid)
@@ -96,7 +99,7 @@ def serve() -> tuple[socket.socket, dict[str, str]] | None:
         if request is None:
             connection.close()
             continue
-        fds, env = request
+        channel, fds, env = request
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -109,9 +112,9 @@ def serve() -> tuple[socket.socket, dict[str, str]] | None:
             return connection, env
         for fd in fds:
             os.close(fd)
-        children[pid] = connection
+        children[pid] = channel
         try:
-            send_message(connection, {"pid": pid})
+            channel.send({"pid": pid})
         except OSError:
             pass  # the relay is gone: its child notices and ends (_end_with_the_relay)
 
@@ -132,7 +135,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, Channel]) -> None:
     """Passes each ended child's exit status (as Popen's returncode) to its relay."""
     while children:
         try:
@@ -141,14 +144,14 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         if pid == 0:
             return
-        connection = children.pop(pid, None)
-        if connection is None:
+        relay = children.pop(pid, None)
+        if relay is None:
             continue
         try:
-            send_message(connection, {"returncode": os.waitstatus_to_exitcode(status)})
+            relay.send({"returncode": os.waitstatus_to_exitcode(status)})
         except OSError:
             pass
-        connection.close()
+        relay.close()
 
 
 def _become_the_relays(fds: list[int], env: dict[str, str]) -> None:

@@ -7,8 +7,9 @@ would, without paying for Python's and TensorFlow's start (13-15 s a process whe
 2 cores). The launcher keeps `per_host` waiting on each host, starting new ones as it takes some, and
 when a host has none ready it starts a process cold and says so.
 
-A waiting process connects back to the pool's server (the launcher's address, the job's secret), and
-gets its assignment there: its environment (TF_CONFIG, its rank's state files), its arguments and its
+A waiting process connects back to the pool's server (the launcher's address; each side proves it holds
+the job's key before anything else crosses, secret.Channel), and gets its assignment there: its
+environment (TF_CONFIG, its rank's state files; not the key, which it has), its arguments and its
 directory. Its stdout and stderr are the launcher's pipes from the start. No TensorFlow here.
 
 Each host has one fork server (tf_adasum/elastic_forkserver.py) that imports TensorFlow once; the
@@ -24,7 +25,6 @@ import itertools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,17 +33,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
-from tf_adasum.elastic_protocol import (
-    ENV_POOL,
-    ENV_SECRET,
-    is_secret,
-    receive_message,
-    send_message,
-)
+from tf_adasum.elastic_protocol import ENV_POOL
 from tf_adasum.hosts import start
+from tf_adasum.secret import ENV_SECRET, Channel
+from tf_adasum.service import Service
 
 ENV_STANDBY = "TF_ADASUM_ELASTIC_STANDBY"  # a waiting process's id, which it says when it connects
-ENV_FORKSERVER = "TF_ADASUM_ELASTIC_FORKSERVER"  # the abstract Unix socket where the host's fork server is
+# The abstract Unix socket where the host's fork server listens: a fresh unguessable name at each start of
+# one, so that no other user can bind it first, and a relay checks the server's user before it sends.
+ENV_FORKSERVER = "TF_ADASUM_ELASTIC_FORKSERVER"
 STANDBY_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_relay"]
 FORKSERVER_COMMAND = [sys.executable, "-m", "tf_adasum.elastic_forkserver"]
 
@@ -54,14 +52,14 @@ class Standby:
     host: str
     process: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
-    connection: socket.socket | None = None  # set when it has imported everything and connected
+    channel: Channel | None = None  # set when it has imported everything and connected
 
     @property
     def ready(self) -> bool:
-        return self.connection is not None and self.process.poll() is None
+        return self.channel is not None and self.process.poll() is None
 
 
-class Pool:
+class Pool(Service):
     """Warm processes on each host, `per_host` of them, started with `env` through `agent` (hosts.start)."""
 
     def __init__(
@@ -82,36 +80,23 @@ class Pool:
         self.waiting: list[Standby] = []
         self.ids = itertools.count()
         self.forkservers: dict[str, Standby] = {}
+        self.forkserver_names: dict[str, str] = {}
         self.forkserver_tails: dict[str, collections.deque[str]] = {}
-        self.token = secrets.token_hex(8)
-        self.server = socket.create_server((address, 0))
-        self.address = f"{address}:{self.server.getsockname()[1]}"
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True, name="tf_adasum-elastic-pool").start()
+        # A hello at a time from each process being started, and room for strangers' attempts.
+        super().__init__(address, secret, max(64, 4 * per_host), "tf_adasum-elastic-pool")
 
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._hello, args=(connection,), daemon=True).start()
-
-    def _hello(self, connection: socket.socket) -> None:
-        """A waiting process's first message: the job's secret and its id. Anything else is shut out."""
-        connection.settimeout(10)
-        try:
-            message = receive_message(connection)
-        except (OSError, ValueError):
-            message = None
+    def handle(self, channel: Channel) -> bool:
+        """A waiting process's hello, once it proved the key: its id. One the pool did not start is shut
+        out."""
+        message, _ = channel.receive()
         with self.lock:
             known = [*self.waiting, *self.forkservers.values()]
-            standby = next((s for s in known if message and s.id == message.get("standby")), None)
-            if message is None or standby is None or not is_secret(message.get("secret"), self.secret):
-                connection.close()
-                return
-            connection.settimeout(None)
-            standby.connection = connection
+            standby = next((s for s in known if s.id == message.get("standby") and s.channel is None), None)
+            if standby is None:
+                return False
+            channel.connection.settimeout(None)
+            standby.channel = channel
+            return True
 
     def fill(self, slots: Mapping[str, int], besides: Mapping[str, int] | None = None) -> None:
         """Starts processes so that each host of `slots` has min(per_host, its slots) waiting, and
@@ -133,7 +118,7 @@ class Pool:
             ENV_POOL: self.address,
             ENV_SECRET: self.secret,
             ENV_STANDBY: f"s{next(self.ids)}",
-            ENV_FORKSERVER: f"tf_adasum-{self.token}-{host}",
+            ENV_FORKSERVER: self.forkserver_names.get(host, ""),
         }
 
     def _start_forkserver(self, host: str) -> None:
@@ -142,6 +127,7 @@ class Pool:
         running = self.forkservers.get(host)
         if running is not None and running.process.poll() is None:
             return
+        self.forkserver_names[host] = f"tf_adasum-{secrets.token_hex(16)}"
         env = self._environment(host)
         process = start(host, FORKSERVER_COMMAND, env, self.agent, stdout=subprocess.DEVNULL)
         self.forkservers[host] = Standby(env[ENV_STANDBY], host, process)
@@ -153,6 +139,13 @@ class Pool:
 
         assert process.stderr is not None
         threading.Thread(target=drain, args=(process.stderr,), daemon=True).start()
+
+    def ready_for(self, need: Mapping[str, int]) -> bool:
+        """Whether each host of `need` has that many ready processes; if not, starts what is missing."""
+        if all(self.ready_on(host) >= count for host, count in need.items()):
+            return True
+        self.fill(dict.fromkeys(need, 0), besides=need)  # the refill's processes count among these
+        return False
 
     def ready_on(self, host: str) -> int:
         with self.lock:
@@ -184,9 +177,10 @@ class Pool:
     def assign(self, standby: Standby, env: Mapping[str, str], command: list[str]) -> subprocess.Popen[bytes]:
         """Gives `standby` its place: it runs `command` (python script ... or python -m module ...) with
         `env`, in this directory. Returns its process."""
-        assert standby.connection is not None
-        send_message(standby.connection, {"env": dict(env), "argv": command[1:], "cwd": os.getcwd()})
-        standby.connection.close()
+        assert standby.channel is not None
+        place = {k: v for k, v in env.items() if k != ENV_SECRET}  # it holds the key already
+        standby.channel.send({"env": place, "argv": command[1:], "cwd": os.getcwd()})
+        standby.channel.close()
         return standby.process
 
     def reap(self) -> None:
@@ -220,8 +214,7 @@ class Pool:
 
     def close(self) -> None:
         """Ends every waiting process and the server."""
-        self.closed = True
-        self.server.close()
+        super().close()
         with self.lock:
             waiting, self.waiting = self.waiting, []
             forkservers, self.forkservers = list(self.forkservers.values()), {}
@@ -230,8 +223,8 @@ class Pool:
 
 
 def _end(standby: Standby) -> None:
-    if standby.connection is not None:
-        standby.connection.close()  # it exits on its own when told nothing
+    if standby.channel is not None:
+        standby.channel.close()  # it exits on its own when told nothing
     if standby.process.poll() is None:
         try:
             os.killpg(standby.process.pid, signal.SIGKILL)

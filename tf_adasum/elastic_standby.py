@@ -2,7 +2,8 @@
 tf_adasum.elastic_standby`, started by the launcher, never by hand.
 
 It imports TensorFlow, Keras and tf_adasum (importing starts no TensorFlow context, so the collective
-runtime can still be configured), connects to the launcher's pool with the job's secret, and waits.
+runtime can still be configured), connects to the launcher's pool, where each side proves it holds the
+job's key (a pool that does not is refused, and nothing it says is run), and waits.
 Given a place in a group, it takes that place's environment, arguments and directory, starts tf_adasum
 as `import tf_adasum` would have in a process launched there (the TF engine, the elastic hook), and
 runs the job's script as `python script.py args` or `python -m module args` would: as __main__, its
@@ -13,27 +14,44 @@ from __future__ import annotations
 
 import os
 import runpy
-import socket
 import sys
+from typing import Any
 
 import keras  # noqa: F401  (warm: the imports a script makes first)
 import tensorflow  # noqa: F401
 
 import tf_adasum
 from tf_adasum.elastic_pool import ENV_STANDBY
-from tf_adasum.elastic_protocol import ENV_POOL, ENV_SECRET, receive_message, send_message
+from tf_adasum.elastic_protocol import ENV_POOL
+from tf_adasum.secret import ENV_SECRET, AuthenticationError, PeerClosed
+from tf_adasum.service import connect
+
+
+def _assignment(pool: str, secret: str) -> dict[str, Any] | None:
+    """This process's place, from the launcher's pool at `pool`; None when told nothing."""
+    channel = connect(pool, secret, timeout=30)
+    try:
+        channel.send({"standby": os.environ[ENV_STANDBY]})
+        channel.connection.settimeout(None)
+        assignment, _ = channel.receive()
+    except PeerClosed:  # the launcher closed the connection
+        return None
+    finally:
+        channel.close()
+    return assignment
 
 
 def main() -> int:
-    host, _, port = os.environ[ENV_POOL].rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=30) as connection:
-        send_message(connection, {"secret": os.environ[ENV_SECRET], "standby": os.environ[ENV_STANDBY]})
-        connection.settimeout(None)
-        assignment = receive_message(connection)
+    pool, secret = os.environ[ENV_POOL], os.environ[ENV_SECRET]
+    try:
+        assignment = _assignment(pool, secret)
+    except AuthenticationError as error:
+        print(f"tf_adasum.elastic_standby: the pool at {pool}: {error}", file=sys.stderr)
+        return 1
     if assignment is None:
         return 0
     os.environ.clear()
-    os.environ.update(assignment["env"])
+    os.environ.update({**assignment["env"], ENV_SECRET: secret})
     os.chdir(assignment["cwd"])
     argv = list(assignment["argv"])
     tf_adasum._start_as_launched()
