@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -23,9 +24,10 @@ import pytest
 import tf_adasum
 from tests.processes import ROOT
 from tf_adasum import elastic
+from tf_adasum.elastic_commits import KEY_FILE, read_key
 from tf_adasum.elastic_launcher import elastic_launch
-from tf_adasum.elastic_policy import parse_slots
 from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
+from tf_adasum.elastic_state import read_commits
 
 # Times detection and recovery: `make test` runs it after the rest, alone on the machine.
 pytestmark = pytest.mark.alone
@@ -87,11 +89,16 @@ def assert_same_on_every_rank(found: list[list[np.ndarray]]) -> None:
             np.testing.assert_array_equal(a, b)
 
 
+def commits_in(path: Path) -> dict[int, Any]:
+    """The commits in a state file (STATE_DIR/group<g>/... or STATE_DIR/job/group<g>/...), checked under
+    the job's key, which lies in STATE_DIR/job."""
+    state_dir = next(p for p in path.parents if (p / "job" / KEY_FILE).exists())
+    return read_commits(path.read_bytes(), read_key(str(state_dir / "job")), str(path))
+
+
 def committed_optimizer(path: Path, commit: int) -> list[float]:
     """The optimizer digest (tests/workers/elastic.py's record) of a commit in a survivor's state file."""
-    with open(path, "rb") as f:
-        commits = pickle.load(f)
-    return [float(np.sum(np.abs(parts[0]))) for parts in commits[commit]["optimizer"]]
+    return [float(np.sum(np.abs(parts[0]))) for parts in commits_in(path)[commit]["optimizer"]]
 
 
 # Multi-process tests.
@@ -226,8 +233,8 @@ def test_fewer_than_min_np_workers_end_the_job_naming_the_lost(tmp_path: Path) -
     assert "Lost workers: w1 on 127.0.0.1 (rank 1): lost: killed by SIGKILL" in log, tail(log)
     # The survivor's last commits stay on disk, whole.
     (kept,) = (tmp_path / "state" / "group0").iterdir()
-    with open(kept, "rb") as f:
-        commits = pickle.load(f)
+    assert kept.stat().st_mode & 0o777 == 0o600
+    commits = commits_in(kept)
     assert len(commits) == 2 and all("optimizer" in c for c in commits.values())
     assert seconds < int(PEER_TIMEOUT) + 90
 
@@ -332,8 +339,7 @@ def test_a_job_survives_a_churn_of_losses_and_returns_losing_only_the_steps_sinc
         copies = sorted((tmp_path / "churn" / "state" / "job" / f"group{group - 1}").glob("*.pkl"))
         newest = []
         for copy in copies:
-            with open(copy, "rb") as f:
-                newest.append(max(pickle.load(f)))
+            newest.append(max(commits_in(copy)))
         assert resumed[0]["commit"] == min(newest), (group, resumed[0], newest)
         # A loss costs the steps since the last commit alone: killed inside the commit after its group's
         # batch b (b counted from the group's start; the commit never completed), a process leaves the
@@ -418,12 +424,6 @@ def test_the_elastic_benchmark_smoke_run_goes_end_to_end(tmp_path: Path) -> None
 # In one process.
 
 
-def test_parse_slots() -> None:
-    assert parse_slots("a:2\nb\n\n# note\na:1\n") == {"a": 3, "b": 1}
-    with pytest.raises(ValueError, match="expected host:slots lines, got 'a:x'"):
-        parse_slots("a:x")
-
-
 def test_elastic_flags_need_elastic() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tf_adasum.run", "-np", "2", "--min-np", "1", "x.py"],
@@ -453,6 +453,41 @@ def _model() -> keras.Model:
     model.set_weights([np.full((3, 2), 0.1, np.float32), np.zeros(2, np.float32)])
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     return model
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded: what another user put in place of a commit."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_a_commit_file_that_was_replaced_is_refused_never_unpickled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A survivor unpickled its state file as it found it: another user who could write it ran code as
+    the job's owner. Now the file is private, sealed under the job's key and checked first."""
+    from tf_adasum import elastic_state
+    from tf_adasum.secret import ENV_SECRET, AuthenticationError, new_secret, seal
+
+    key, path = new_secret(), tmp_path / "state" / "group0" / "rank0-w0.pkl"
+    elastic_state.write_commits(str(path), {3: {"objects": {"epoch": 1}}}, key)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv(elastic_state.ENV_RESUME_FILE, str(path))
+    monkeypatch.setenv(ENV_SECRET, key)
+    assert elastic_state._load_resume_file() == {3: {"objects": {"epoch": 1}}}
+    marker = tmp_path / "ran"
+    for replaced, said in (
+        (pickle.dumps(_RunsCode(marker)), "does not start as a file sealed by tf_adasum"),
+        (seal(new_secret(), pickle.dumps(_RunsCode(marker))), "was not written under this job's key"),
+    ):
+        path.write_bytes(replaced)
+        with pytest.raises(AuthenticationError, match=said):
+            elastic_state._load_resume_file()
+        assert not marker.exists()
 
 
 def test_state_commit_restore_and_the_optimizer_in_one_process() -> None:

@@ -71,5 +71,22 @@ def test_a_process_still_running_is_hung_after_the_timeout_or_when_left_alone() 
 
 def test_discovery_output_is_parsed_and_bad_lines_are_refused() -> None:
     assert policy.parse_slots("a:2\n# comment\n\nb\na:1\n") == {"a": 3, "b": 1}
-    with pytest.raises(ValueError, match="expected host:slots lines, got 'a:x'"):
+    assert policy.parse_slots("10.0.0.1:2\nnode-3.cluster_x:1\n") == {"10.0.0.1": 2, "node-3.cluster_x": 1}
+    with pytest.raises(ValueError, match=r"expected host:slots lines .* got line 1: 'a:x'"):
         policy.parse_slots("a:x")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Using cached credentials",  # a script's chatter: once ssh'd to as a host
+        "-oProxyCommand=touch /tmp/owned:1",  # an option for ssh
+        "host;reboot:1",
+        "$(id):2",
+        "host name:1",
+    ],
+)
+def test_a_line_that_is_not_a_host_is_refused_with_its_text(line: str) -> None:
+    with pytest.raises(ValueError, match="not starting with '-'") as refused:
+        policy.parse_slots(f"a:1\n{line}\n")
+    assert f"got line 2: {line!r}" in str(refused.value)

@@ -195,3 +195,70 @@ def test_a_modules_own_flags_after_m_go_to_the_module(tmp_path: Path) -> None:
         [sys.executable, "-m", "tf_adasum.run", "-np", "2", "-m"], capture_output=True, text=True, timeout=60
     )
     assert refused.returncode == 2 and "-m needs a module to run" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["-np", "0"], "expected -np 1 or more, got 0"),
+        (["-np", "-1"], "expected -np 1 or more, got -1"),
+        (["-np", "2", "--timeout", "0"], "expected --timeout above 0, got 0.0"),
+        (["-np", "0", "--elastic"], "expected -np 1 or more, got 0"),
+        (["-np", "2", "--elastic", "--reset-limit", "-1"], "expected --reset-limit above -1, got -1"),
+        (["-np", "2", "--elastic", "--standbys", "-2"], "expected --standbys above -1, got -2"),
+        (["-np", "2", "--elastic", "--elastic-timeout", "0"], "expected --elastic-timeout above 0, got 0.0"),
+        (["-np", "2", "-H", "localhost:1,-oProxyCommand=x:1"], "a host name is letters, digits"),
+    ],
+)
+def test_sizes_and_hosts_no_job_can_keep_are_refused(flags: list[str], said: str, tmp_path: Path) -> None:
+    """-np 0 and -np -1 exited 0 and said nothing."""
+    (tmp_path / "child.py").write_text(CHILD)
+    command = [
+        sys.executable,
+        "-m",
+        "tf_adasum.run",
+        *flags,
+        str(tmp_path / "child.py"),
+        str(tmp_path),
+        "exit",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert not list(tmp_path.glob("pid*")), "nothing started"
+
+
+def test_an_output_folder_that_cannot_be_written_fails_before_any_rank_starts(tmp_path: Path) -> None:
+    """It printed a traceback once rank 0 had started, and left rank 0 running."""
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "a_file").write_text("")
+    command = [
+        sys.executable,
+        "-m",
+        "tf_adasum.run",
+        "-np",
+        "2",
+        "--output-filename",
+        str(tmp_path / "a_file" / "out"),
+    ]
+    command += [str(tmp_path / "child.py"), str(tmp_path), "exit"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("tf_adasum.run: --output-filename ") and "is not a folder" in done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.glob("pid*")), "nothing started"
+
+
+def test_a_start_that_fails_ends_the_processes_already_started(tmp_path: Path) -> None:
+    (tmp_path / "child.py").write_text(CHILD)
+    command = [sys.executable, str(tmp_path / "child.py"), str(tmp_path), "hang"]
+    with pytest.raises(
+        run.StartError, match=r"could not start rank 1 on hostb through the agent '/no/such/agent'"
+    ):
+        run.launch(2, command, hosts="localhost:1,hostb:1", agent="/no/such/agent")
+    running = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert running.stdout == "", "rank 0 was left running"
+
+
+def test_a_process_killed_by_a_signal_exits_as_a_shell_says_it(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert run.launch(1, [sys.executable, str(script)]) == 128 + 9

@@ -18,23 +18,26 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 FLOORS: list[list[str]] = [
     # leaves: nothing of tf_adasum
     [
-        "elastic_protocol",
+        "settings",
+        "secret",
+        "private_files",
         "compression",
         "variables",
         "ops",
         "_quiet",
         "hosts",
-        "launch_output",
         "loss_scaling",
         "comm",
         "_horovod",
     ],
-    # errors (the peer timeout is the elastic protocol's); the elastic launcher's membership rules;
-    # the numpy views the MPI engine receives into
-    ["errors", "elastic_policy", "_compat.numpy_views"],
-    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher's pool of
-    # warm processes and its discovery of slots
-    ["_compat.registry", "tensor_lists", "elastic_pool", "elastic_discovery"],
+    # errors; the launcher's services and its output; the numpy views the MPI engine receives into
+    ["errors", "service", "launch_output", "_compat.numpy_views"],
+    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher's protocol
+    ["_compat.registry", "tensor_lists", "elastic_protocol"],
+    # the elastic launcher's membership rules, its pool of warm processes, its copies of the commits
+    ["elastic_policy", "elastic_pool", "elastic_commits"],
+    # the elastic launcher's discovery of slots
+    ["elastic_discovery"],
     # each hook, by subject; the communicator interface; the contract tree; the launcher
     [
         "_compat.optimizers",

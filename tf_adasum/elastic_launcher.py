@@ -26,22 +26,33 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tf_adasum import elastic_policy as policy
+from tf_adasum.elastic_commits import job_folder, keep_copy, reseal, resumed_commits
 from tf_adasum.elastic_discovery import DEFAULT_INTERVAL_SECONDS, Discovery
 from tf_adasum.elastic_pool import ENV_STANDBY, Pool, Standby
-from tf_adasum.elastic_protocol import NoticeBoard, new_secret, peer_timeout_seconds, process_environment
-from tf_adasum.hosts import DEFAULT_AGENT, GRACE_SECONDS, LOCAL_HOSTS, free_ports, start
+from tf_adasum.elastic_protocol import NoticeBoard, process_environment
+from tf_adasum.hosts import (
+    DEFAULT_AGENT,
+    GRACE_SECONDS,
+    LOCAL_HOSTS,
+    StartError,
+    check_sizes,
+    end_all,
+    exit_status,
+    free_ports,
+    start,
+)
 from tf_adasum.launch_output import Output
+from tf_adasum.private_files import private_directory
+from tf_adasum.secret import new_secret
+from tf_adasum.settings import peer_timeout_seconds
 
 # A new group waits this long for a warm process that is still importing before starting one cold.
 WARM_WAIT_SECONDS = 120.0
@@ -55,7 +66,7 @@ GROW_WARM_SECONDS = 60.0
 
 
 class ElasticError(RuntimeError):
-    """The job cannot go on: too few workers, too many resets."""
+    """The job cannot go on: too few workers."""
 
 
 @dataclass
@@ -110,33 +121,38 @@ def elastic_launch(
         agent: how a process starts on another host.
         state_dir: where processes write their commits when they leave a group (on their own host); the
             launcher keeps a copy of every commit in STATE_DIR/job/group<g> (on its own host).
-        resume_from: a group directory of an earlier job (STATE_DIR/job/group<g>): the first group resumes
-            from its commits (rank i from the i-th file by old rank), as if it were the next group.
-        output_filename: a folder for each process's stdout and stderr, per group:
-            DIR/group<g>/rank.<r>/stdout and stderr.
+        resume_from: an earlier job's STATE_DIR/job/group<g>: the first group resumes from its commits.
+        output_filename: a folder for each process's stdout and stderr: DIR/group<g>/rank.<r>/.
         standbys: warm processes kept waiting on each host (tf_adasum/elastic_pool.py); None: as many as
             the host has slots; 0: every process starts cold.
     """
-    min_np = np if min_np is None else min_np
-    max_np = np if max_np is None else max_np
-    if not 1 <= min_np <= np <= max_np:
-        raise ValueError(f"expected 1 <= --min-np <= -np <= --max-np, got {min_np}, {np}, {max_np}")
+    sizes = {"elastic_timeout": elastic_timeout, "reset_limit": reset_limit, "standbys": standbys}
+    min_np, max_np = check_sizes(np, timeout, min_np, max_np, **sizes)
     discovery = Discovery(discovery_script, hosts, np, discovery_interval)
     if not discovery_script and sum(discovery.static.values()) < np:
         raise ValueError(f"-H {hosts!r} has {sum(discovery.static.values())} slots for -np {np}")
+    # Every folder the job writes is checked (or made private) before anything starts.
+    if state_dir:
+        state_dir = private_directory(state_dir, "--state-dir")
+    else:
+        state_dir = tempfile.mkdtemp(prefix="tf_adasum_elastic-")  # 0700, a name no one can guess
+        _say(f"the job's state folder: {state_dir}")
+    if output_filename:
+        private_directory(output_filename, "--output-filename")
+    resumed = resumed_commits(resume_from) if resume_from else {}
     job = ElasticJob(
         command,
         discovery,
         np,
         min_np,
         max_np,
-        state_dir or os.path.join("/tmp", "tf_adasum_elastic", f"{os.getpid()}-{int(time.time())}"),
+        state_dir,
         agent,
         output_filename,
         max_np if standbys is None else standbys,
     )
     try:
-        return job.run(reset_limit, elastic_timeout, timeout, resume_from)
+        return job.run(reset_limit, elastic_timeout, timeout, resumed)
     finally:
         job.close()
 
@@ -159,14 +175,14 @@ class ElasticJob:
         self.command, self.discovery, self.agent = command, discovery, agent
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.state_dir, self.output_filename = state_dir, output_filename
-        os.makedirs(state_dir, exist_ok=True)
-        all_local = not discovery.script and all(h in LOCAL_HOSTS for h in discovery.static)
-        # The launcher's services listen where the processes reach it, no wider, and ask for the secret.
-        self.address = "127.0.0.1" if all_local else _own_address()
         self.secret = new_secret()
-        self.notices = NoticeBoard(self.address, self.secret, os.path.join(state_dir, "job"))
-        threading.Thread(target=self.notices.serve_forever, daemon=True).start()
-        self.driver = f"{self.address}:{self.notices.server_address[1]}"
+        job_dir = job_folder(state_dir, self.secret)
+        all_local = not discovery.script and all(h in LOCAL_HOSTS for h in discovery.static)
+        # The launcher's services listen where the processes reach it, no wider, and answer only holders
+        # of the job's key; a process holds at most two requests at once.
+        self.address = "127.0.0.1" if all_local else _own_address()
+        self.notices = NoticeBoard(self.address, self.secret, job_dir, max_connections=4 * max_np + 16)
+        self.driver = self.notices.address
         self.env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
         self.pool = Pool(self.address, self.secret, standbys, agent, self.env, _say) if standbys > 0 else None
         self.blocked: collections.Counter[str] = collections.Counter()
@@ -175,7 +191,8 @@ class ElasticJob:
         self.deadline: float | None = None
 
     def close(self) -> None:
-        self.notices.shutdown()
+        self.discovery.close()
+        self.notices.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -202,29 +219,16 @@ class ElasticJob:
         return policy.has_more_slots(self.answer(), self.blocked, in_use, self.max_np)
 
     def run(
-        self, reset_limit: int | None, elastic_timeout: float, timeout: float | None, resume_from: str | None
+        self,
+        reset_limit: int | None,
+        elastic_timeout: float,
+        timeout: float | None,
+        resumed: dict[str, bytes],
     ) -> int:
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        survivors: list[Worker] = []
-        if resume_from:
-            self.notices.serve(resume_from)
-            files = sorted(
-                (f for f in os.listdir(resume_from) if f.endswith(".pkl")),
-                key=lambda f: int(f.split("-")[0][4:]),
-            )
-            # The commits are here, on the launcher's host, whatever hosts wrote them: the processes that
-            # resume from them take the first slots in order, and one on another host, which lacks the
-            # file, is served the launcher's copy (elastic_protocol.fetch_state).
-            slots = [host for host, count in self.answer().items() for _ in range(count)] or ["127.0.0.1"]
-            survivors = [
-                Worker(
-                    id=f.split("-", 1)[1][:-4],
-                    host=slots[i % len(slots)],
-                    resume_file=os.path.abspath(os.path.join(resume_from, f)),
-                    resume_copy=os.path.abspath(os.path.join(resume_from, f)),
-                )
-                for i, f in enumerate(files)
-            ]
+        self.discovery.start()
+        self.discovery.first_answer(min(self.discovery.timeout, elastic_timeout, timeout or elastic_timeout))
+        survivors = self.resume(resumed)
         lost: list[Worker] = []
         next_id, group, resets = 0, 0, 0
         if self.pool is not None:
@@ -260,12 +264,15 @@ class ElasticJob:
                     )
                     return first.code if first.code and first.code > 0 else 1
                 if end is policy.GroupEnd.FINISHED:
+                    # As Horovod's: a job whose processes did not all finish did not succeed.
                     finished = [w.rank for w in members if w.outcome == policy.DONE]
+                    first = next(w for w in members if w.outcome != policy.DONE)
                     _say(
-                        f"group {group}: rank(s) {finished} finished training while others left it; the job "
-                        "is done"
+                        f"group {group}: rank(s) {finished} finished training, but not every rank did: rank "
+                        f"{first.rank} ({first.id}@{first.host}) {first.outcome}; its last output: "
+                        f"{_last_error(first)}. The job did not finish on every process"
                     )
-                    return 0
+                    return exit_status(first.code) if first.outcome != policy.RESTART and first.code else 1
                 for w in survivors:  # each resumes from its own file; the launcher keeps a copy
                     w.resume_file, w.resume_copy = w.state_file, self.keep_copy(group, w)
                 _say(
@@ -288,6 +295,17 @@ class ElasticJob:
             return 1
         except KeyboardInterrupt:
             return 130
+
+    def resume(self, resumed: dict[str, bytes]) -> list[Worker]:
+        """The first group's survivors, from --resume-from's commits, in the first slots in order: each
+        resumes from a copy sealed anew under this job's key (elastic_commits.reseal), which is served to
+        one on another host (elastic_protocol.fetch_state)."""
+        slots = [host for host, count in self.answer().items() for _ in range(count)] or ["127.0.0.1"]
+        survivors = []
+        for i, (name, path) in enumerate(reseal(self.state_dir, resumed, self.secret).items()):
+            survivors.append(Worker(id=name.split("-", 1)[1][:-4], host=slots[i % len(slots)]))
+            survivors[-1].resume_file = survivors[-1].resume_copy = path
+        return survivors
 
     def form_group(
         self, group: int, survivors: list[Worker], next_id: int, lost: list[Worker], elastic_timeout: float
@@ -325,45 +343,19 @@ class ElasticJob:
         return os.path.join(self.state_dir, "job", f"group{group}")
 
     def keep_copy(self, group: int, worker: Worker) -> str:
-        """Copies a survivor's commits to the launcher's host, in the background (from another host
-        through the agent), so that losing its host loses none of them; returns the copy's path, which
-        the launcher serves to a process that lacks the file (elastic_protocol.fetch_state)."""
+        """A survivor's commits copied to the launcher's host, in the background (elastic_commits), so
+        that losing its host loses none of them; returns the copy's path."""
         copy = os.path.join(self.job_dir(group), os.path.basename(worker.state_file))
-        os.makedirs(os.path.dirname(copy), exist_ok=True)
-        self.notices.copying(copy)
-
-        def run() -> None:
-            try:
-                if worker.host in LOCAL_HOSTS:
-                    shutil.copyfile(worker.state_file, f"{copy}.partial")
-                else:
-                    read = start(worker.host, ["/bin/cat", worker.state_file], dict(self.env), self.agent)
-                    data, error = read.communicate(timeout=600)
-                    if read.returncode != 0:
-                        raise OSError(error.decode(errors="replace")[-300:])
-                    with open(f"{copy}.partial", "wb") as f:
-                        f.write(data)
-                os.replace(f"{copy}.partial", copy)
-            except (OSError, subprocess.SubprocessError) as error:
-                _say(f"could not keep a copy of {worker.state_file} from {worker.host}: {error}")
-            finally:
-                self.notices.copied(copy)
-
-        threading.Thread(target=run, daemon=True).start()
+        keep_copy(self.notices, worker.host, worker.state_file, copy, self.secret, self.env, self.agent, _say)
         return copy
 
     def warm_for_growth(self, members: list[Worker]) -> bool:
         """Whether the pool holds a ready process for every member of the larger group (all its members
         restart); if not, it starts what is missing. True without a pool."""
-        if self.pool is None:
-            return True
         answer = self.last_answer or {}
         bigger = policy.choose_members(answer, self.blocked, [w.host for w in members], self.max_np)
         need = collections.Counter([members[i].host for i in bigger.kept] + bigger.new_hosts)
-        if all(self.pool.ready_on(host) >= count for host, count in need.items()):
-            return True
-        self.pool.fill(dict.fromkeys(need, 0), besides=need)  # the refill's processes count among these
-        return False
+        return self.pool is None or self.pool.ready_for(need)
 
     def start_member(self, worker: Worker, env: dict[str, str], warm_until: float) -> bool:
         """Starts a member's process: a warm one from the pool where the host has one (waiting, if need
@@ -381,6 +373,45 @@ class ElasticJob:
         worker.proc = start(worker.host, self.command, env, self.agent)
         return False
 
+    def start_group(
+        self, group: int, members: list[Worker], workers: list[str], group_dir: str
+    ) -> tuple[Output, int]:
+        """Starts every member of group `group`, their output followed; returns the output and how many
+        came warm from the pool. Where one cannot start, those started are ended (StartError)."""
+        output = Output(
+            os.path.join(self.output_filename, f"group{group}") if self.output_filename else None,
+            ranks=len(members),
+        )
+        warm_until = time.monotonic() + WARM_WAIT_SECONDS
+        warm = 0
+        try:
+            for rank, w in enumerate(members):
+                w.rank, w.outcome, w.code, w.proc = rank, None, None, None
+                w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
+                env = dict(self.env)
+                env["TF_CONFIG"] = json.dumps(
+                    {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+                )
+                env.update(
+                    process_environment(
+                        group, w.state_file, w.resume_file, w.resume_copy, self.driver, self.secret
+                    )
+                )
+                try:
+                    warm += self.start_member(w, env, warm_until)
+                except OSError as error:
+                    raise StartError(
+                        f"group {group}: could not start rank {rank} ({w.id}) on {w.host}: {error}; the "
+                        f"{rank} process(es) already started were ended"
+                    ) from error
+                output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
+        except BaseException:
+            end_all([w.proc for w in members if w.proc is not None])
+            output.close()
+            output.wait()
+            raise
+        return output, warm
+
     def run_group(self, group: int, members: list[Worker]) -> int | None:
         """Runs one group to its end; sets each worker's outcome. Returns an exit code that ends the job
         (the timeout, Ctrl-C), or None."""
@@ -394,34 +425,11 @@ class ElasticJob:
                 for r, w in enumerate(members)
             )
         )
-        output = Output(os.path.join(self.output_filename, f"group{group}") if self.output_filename else None)
-        warm_until = time.monotonic() + WARM_WAIT_SECONDS
-        warm = 0
-        for rank, w in enumerate(members):
-            w.rank, w.outcome, w.code, w.proc = rank, None, None, None
-            w.state_file = os.path.join(group_dir, f"rank{rank}-{w.id}.pkl")
-            env = dict(self.env)
-            env["TF_CONFIG"] = json.dumps(
-                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
-            )
-            env.update(
-                process_environment(
-                    group, w.state_file, w.resume_file, w.resume_copy, self.driver, self.secret
-                )
-            )
-            warm += self.start_member(w, env, warm_until)
-            output.follow(rank, w.proc.stdout, w.proc.stderr, w.tail)
+        output, warm = self.start_group(group, members, workers, group_dir)
         if self.pool is not None:
             _say(f"group {group}: {warm} process(es) from the pool, {len(members) - warm} started cold")
         started = time.monotonic()
         refilled = self.pool is None
-
-        def kill(w: Worker) -> None:
-            if w.proc.poll() is None:
-                try:
-                    os.killpg(w.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
         first_exit: float | None = None
         last_alone: float | None = None
@@ -445,15 +453,13 @@ class ElasticJob:
                 if first_exit is not None and len(running) == 1 and last_alone is None:
                     last_alone = now
                 if policy.hung(now, first_exit, last_alone, peer_timeout_seconds(), GRACE_SECONDS):
+                    end_all([w.proc for w in running])
                     for w in running:
-                        kill(w)
-                        w.proc.wait()
                         w.code = w.proc.returncode
                         w.outcome = "lost: hung (still running after the rest of its group had left; killed)"
                     return None
                 if self.deadline is not None and now > self.deadline:
-                    for w in members:
-                        kill(w)
+                    end_all([w.proc for w in members])
                     _say("killed every process after the --timeout")
                     return 124
                 if now > next_discovery:
@@ -475,13 +481,10 @@ class ElasticJob:
                             self.pool.fill(self.pool_target())
                 time.sleep(0.05)
         except KeyboardInterrupt:
-            for w in members:
-                kill(w)
+            end_all([w.proc for w in members])
             return 130
         finally:
-            for w in members:
-                if w.proc is not None:
-                    w.proc.wait()
+            end_all([w.proc for w in members if w.proc.poll() is None])
             output.wait()
 
 

@@ -12,22 +12,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
+from tf_adasum.hosts import HOST_NAME_RULE, is_host_name
 
 DONE, RESTART = "done", "restart"
 
 
 def parse_slots(text: str) -> dict[str, int]:
-    """{host: slots} from a discovery script's output: `host:slots` or `host` lines (one slot)."""
+    """{host: slots} from a discovery script's output: `host:slots` or `host` lines (one slot).
+
+    Raises:
+        ValueError: a line that is not one of those, naming it: the whole answer is refused, since a
+            stray line (a login banner, an option) must never become a host to start processes on.
+    """
     slots: dict[str, int] = {}
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         host, sep, count = line.rpartition(":")
         if not sep:
             host, count = line, "1"
-        if not host or not count.isdigit():
-            raise ValueError(f"host discovery: expected host:slots lines, got {line!r}")
+        if not is_host_name(host) or not count.isdigit():
+            raise ValueError(
+                f"expected host:slots lines (a host name is {HOST_NAME_RULE}), got line {number}: {line!r}"
+            )
         slots[host] = slots.get(host, 0) + int(count)
     return slots
 

@@ -1,6 +1,10 @@
 """Elastic state and its restarts, for any framework state: State, ObjectState and `run` (Horovod's
 horovod/common/elastic.py). A commit, the agreement on a commit when a group starts, and leaving a group
 with one's commits for the next (see tf_adasum/elastic.py for the whole design).
+
+A process leaves its commits in a private file (private_files: mode 0600, in folders no other user can
+write, written whole and made durable), sealed under the job's key; the next group's process checks the
+seal before it unpickles a byte, so a file another user replaced is refused, never run.
 """
 
 from __future__ import annotations
@@ -8,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import shutil
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,6 +31,23 @@ from tf_adasum.elastic_protocol import (
     watch_for_end,
 )
 from tf_adasum.errors import PeerError
+from tf_adasum.private_files import private_directory, read_private, write_private
+from tf_adasum.secret import ENV_SECRET, seal, unseal
+
+
+def write_commits(path: str, commits: dict[int, Any], key: str) -> None:
+    """Writes `commits` (commit number: snapshot) to `path`, private and sealed under the job's `key`."""
+    private_directory(os.path.dirname(path), "the elastic state folder")
+    write_private(path, seal(key, pickle.dumps(commits, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def read_commits(data: bytes, key: str, where: str) -> dict[int, Any]:
+    """The commits that write_commits() sealed into `data` (read from `where`), once the seal checks.
+
+    Raises:
+        AuthenticationError: `data` was not sealed under `key`: it is not unpickled.
+    """
+    return dict(pickle.loads(unseal(key, data, f"the elastic commits {where}")))
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -173,11 +193,7 @@ class State:
             kept = dict(self._loaded)
         where = "no commit of its own"
         if path and kept:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            partial = f"{path}.partial"
-            with open(partial, "wb") as f:
-                pickle.dump(kept, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(partial, path)  # whole or absent: a kill while writing leaves the last file
+            write_commits(path, kept, os.environ.get(ENV_SECRET, ""))
             where = f"commit(s) {sorted(kept)} in {path}"
         sys.stderr.write(
             f"tf_adasum.elastic: rank {engine.rank()} of group {generation()} leaves for the next group "
@@ -222,9 +238,8 @@ def install_excepthook() -> None:
         resume, path = os.environ.get(ENV_RESUME_FILE), os.environ.get(ENV_STATE_FILE)
         where = "no commit of its own"
         if resume and path and os.path.exists(resume):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            shutil.copyfile(resume, f"{path}.partial")
-            os.replace(f"{path}.partial", path)
+            private_directory(os.path.dirname(path), "the elastic state folder")
+            write_private(path, read_private(resume))  # sealed as they were
             where = f"its commits from {resume} in {path}"
         sys.stderr.write(
             f"tf_adasum.elastic: a process of group {generation()} lost a peer before its training "
@@ -243,13 +258,13 @@ def _load_resume_file() -> dict[int, Any] | None:
     path = os.environ.get(ENV_RESUME_FILE)
     if not path:
         return None
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return pickle.load(f)
+    key = os.environ.get(ENV_SECRET, "")
+    if os.path.lexists(path):
+        return read_commits(read_private(path), key, path)
     copy = fetch_state(os.environ.get(ENV_RESUME_COPY, "") or path)
     if copy is not None:
         sys.stderr.write(f"tf_adasum.elastic: no state file {path} here: resumed from the launcher's copy\n")
-        return pickle.loads(copy)
+        return read_commits(copy, key, f"{path} (the launcher's copy)")
     sys.stderr.write(f"tf_adasum.elastic: no state file {path}: this process takes rank 0's state\n")
     return None
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,65 @@ DEFAULT_AGENT = "ssh -o BatchMode=yes"
 # Not forwarded to other hosts: what belongs to this shell or this host.
 _NOT_FORWARDED = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "LS_COLORS", "MAIL")
 _NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_")
+
+
+# What a host name or address may hold: it becomes an argument of the agent (ssh), so nothing that a shell
+# or ssh reads as more than a name, and no leading "-", which ssh reads as an option.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_.:][A-Za-z0-9_.:-]*")
+HOST_NAME_RULE = "letters, digits, '.', '-', '_' and ':', not starting with '-'"
+
+
+def is_host_name(host: str) -> bool:
+    return _HOST_NAME.fullmatch(host) is not None
+
+
+def check_sizes(
+    np: int,
+    timeout: float | None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    **elastic: float | None,
+) -> tuple[int, int]:
+    """Refuses sizes that no job can keep, for both launchers: -np, --timeout, and the elastic ones
+    (`elastic`: elastic_timeout, reset_limit, standbys, by their flag's name). Returns (min_np, max_np),
+    each -np where not given.
+
+    Raises:
+        ValueError: naming what was expected and what was given.
+    """
+    if np < 1:
+        raise ValueError(f"expected -np 1 or more, got {np}")
+    min_np = np if min_np is None else min_np
+    max_np = np if max_np is None else max_np
+    if not 1 <= min_np <= np <= max_np:
+        raise ValueError(f"expected 1 <= --min-np <= -np <= --max-np, got {min_np}, {np}, {max_np}")
+    least = {"timeout": 0.0, "elastic_timeout": 0.0, "reset_limit": -1, "standbys": -1}
+    for name, value in {"timeout": timeout, **elastic}.items():
+        if value is not None and not value > least[name]:
+            raise ValueError(f"expected --{name.replace('_', '-')} above {least[name]:g}, got {value}")
+    return min_np, max_np
+
+
+class StartError(RuntimeError):
+    """A process could not be started; those started before it were ended."""
+
+
+def exit_status(returncode: int) -> int:
+    """A process's exit status as the launcher's own: a signal's as a shell gives it (128 + its number),
+    so that a job killed by a signal never exits 0 or with a code that looks like a script's own."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def end_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Kills every process still running (its whole session), and waits for each."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for process in processes:
+        process.wait()
 
 
 def free_ports(n: int) -> list[int]:
@@ -40,8 +101,11 @@ def parse_hosts(hosts: str, np: int) -> list[str]:
     placed: list[str] = []
     for entry in hosts.split(","):
         host, _, slots = entry.strip().rpartition(":") if ":" in entry else (entry.strip(), "", "1")
-        if not host or not slots.isdigit() or int(slots) < 1:
-            raise ValueError(f"-H {hosts!r}: expected host:slots entries such as 10.0.0.1:2, got {entry!r}")
+        if not is_host_name(host) or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(
+                f"-H {hosts!r}: expected host:slots entries such as 10.0.0.1:2 (a host name is "
+                f"{HOST_NAME_RULE}), got {entry!r}"
+            )
         placed += [host] * int(slots)
     if len(placed) < np:
         raise ValueError(f"-H {hosts!r} has {len(placed)} slots for -np {np}")

@@ -24,13 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
+import subprocess
 import sys
 import time
 
 from tf_adasum.hosts import (
     DEFAULT_AGENT,
     GRACE_SECONDS,
+    LOCAL_HOSTS,
+    StartError,
+    check_sizes,
+    end_all,
+    exit_status,
     free_ports,
     parse_hosts,
     start,
@@ -46,7 +51,8 @@ def launch(
     agent: str = DEFAULT_AGENT,
     output_filename: str | None = None,
 ) -> int:
-    """Runs `command` as np workers; returns the first non-zero exit code, or 0.
+    """Runs `command` as np workers; returns the first non-zero exit status (a signal's as 128 + its
+    number), or 0 once every process exited 0.
 
     Args:
         np: how many processes.
@@ -55,24 +61,41 @@ def launch(
         hosts: horovodrun's -H list; default all on 127.0.0.1.
         agent: how a process starts on a host that is not this one.
         output_filename: a folder for each rank's stdout and stderr (launch_output.py).
+
+    Raises:
+        ValueError: np below 1, a malformed host list, or a timeout that is not above 0.
+        OSError: the output folder cannot be made or written (before any process starts).
+        StartError: a process could not be started (those started before it are ended).
     """
+    check_sizes(np, timeout)
     placed = parse_hosts(hosts, np) if hosts else ["127.0.0.1"] * np
     workers = [f"{host}:{port}" for host, port in zip(placed, free_ports(np), strict=True)]
-    output = Output(output_filename)
-    processes = []
-    for rank in range(np):
-        env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
-        )
-        proc = start(placed[rank], command, env, agent)
-        output.follow(rank, proc.stdout, proc.stderr)
-        processes.append(proc)
+    output = Output(output_filename, ranks=np)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(np):
+            env = dict(os.environ, TF_ADASUM_LAUNCHER="1")
+            env["TF_CONFIG"] = json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+            )
+            try:
+                proc = start(placed[rank], command, env, agent)
+            except OSError as error:
+                raise StartError(
+                    f"could not start rank {rank} on {placed[rank]}"
+                    + (f" through the agent {agent!r}" if placed[rank] not in LOCAL_HOSTS else "")
+                    + f": {error}; the {rank} process(es) already started were ended"
+                ) from error
+            output.follow(rank, proc.stdout, proc.stderr)
+            processes.append(proc)
+    except BaseException:
+        end_all(processes)
+        output.close()
+        output.wait()
+        raise
 
     def kill_all() -> None:
-        for p in processes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        end_all([p for p in processes if p.poll() is None])
 
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure: tuple[int, float] | None = None
@@ -81,7 +104,7 @@ def launch(
             codes = [p.poll() for p in processes]
             failed = [c for c in codes if c not in (None, 0)]
             if failed and first_failure is None:
-                first_failure = (failed[0], time.monotonic())
+                first_failure = (exit_status(failed[0]), time.monotonic())
             if first_failure is not None:
                 ended = all(c is not None for c in codes)
                 late = time.monotonic() > first_failure[1] + GRACE_SECONDS
@@ -186,11 +209,12 @@ def main() -> None:
         parser.error("give the script to run, or -m MODULE")
     program = ["-m", args.module] if args.module else []
     command = [sys.executable, *program, *([args.script] if args.script else []), *args.args]
-    if args.hosts and not args.elastic:
-        try:
+    try:
+        check_sizes(args.np, args.timeout)
+        if args.hosts and not args.elastic:
             parse_hosts(args.hosts, args.np)
-        except ValueError as error:
-            parser.error(str(error))
+    except ValueError as error:
+        parser.error(str(error))
     elastic_only = [
         flag
         for flag, value in (
@@ -237,8 +261,19 @@ def main() -> None:
             )
         except ValueError as error:
             parser.error(str(error))
+        except (OSError, StartError) as error:
+            _fail(error)
         sys.exit(code)
-    sys.exit(launch(args.np, command, args.timeout, args.hosts, args.agent, args.output_filename))
+    try:
+        sys.exit(launch(args.np, command, args.timeout, args.hosts, args.agent, args.output_filename))
+    except (OSError, StartError) as error:
+        _fail(error)
+
+
+def _fail(error: BaseException) -> None:
+    """Ends the launcher with `error` said in one line (no process of the job runs any more)."""
+    sys.stderr.write(f"tf_adasum.run: {error}\n")
+    sys.exit(1)
 
 
 if __name__ == "__main__":
