@@ -21,55 +21,65 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+from tf_adasum.private_files import open_private, private_directory
+
 NEWLINE, RETURN, BACKSPACE = b"\n", b"\r", b"\b"
-
-
-def as_it_stands(line: bytes) -> tuple[bytes, bool]:
-    """A line as a terminal would show it when it ends: what follows its last carriage return, with its
-    backspaces applied; and whether it was rewritten in place (a progress bar)."""
-    rewritten = RETURN in line or BACKSPACE in line
-    shown = line.rpartition(RETURN)[2]
-    if BACKSPACE in shown:
-        kept = bytearray()
-        for byte in shown:
-            if byte == BACKSPACE[0]:
-                if kept:
-                    kept.pop()
-            else:
-                kept.append(byte)
-        shown = bytes(kept)
-    return shown, rewritten
+# A line longer than this without a newline is shown in parts, so that memory stays bounded.
+MAX_LINE_BYTES = 1 << 20
 
 
 class RankStream:
-    """One rank's stream, turned into what the launcher shows (see the module's doc)."""
+    """One rank's stream, turned into what the launcher shows (see the module's doc), in time linear in
+    its size: the line being written is kept as it stands so far (what follows its last carriage return,
+    its backspaces applied), never as everything a progress bar wrote into it."""
 
     def __init__(self, rank: int, terminal: bool) -> None:
         self.rank = rank
         self.passthrough = terminal and rank == 0
         self.terminal = terminal
         self.prefix = f"[{rank}] ".encode()
-        self.pending = b""
+        self.line = bytearray()  # the current line as a terminal would show it now
+        self.rewritten = False  # whether it was rewritten in place (a progress bar)
 
     def feed(self, data: bytes) -> bytes:
         if self.passthrough:
             return data
-        self.pending += data
         shown = []
-        while NEWLINE in self.pending:
-            line, _, self.pending = self.pending.partition(NEWLINE)
-            shown.append(self._line(line))
+        pieces = data.split(NEWLINE)
+        for piece in pieces[:-1]:  # each ended by a newline
+            self._add(piece)
+            shown.append(self._end_line())
+        self._add(pieces[-1])
+        if len(self.line) > MAX_LINE_BYTES:  # a line with no end in sight: shown in parts
+            shown.append(self._end_line())
         return b"".join(shown)
 
     def close(self) -> bytes:
         """The last words, without a newline of their own: as a whole line."""
-        if self.passthrough:
+        if self.passthrough or not self.line:
             return b""
-        line, self.pending = self.pending, b""
-        return self._line(line) if line else b""
+        return self._end_line()
 
-    def _line(self, line: bytes) -> bytes:
-        text, rewritten = as_it_stands(line)
+    def _add(self, piece: bytes) -> None:
+        if RETURN in piece:
+            self.rewritten = True
+            self.line.clear()
+            piece = piece.rpartition(RETURN)[2]
+        if BACKSPACE in piece:
+            self.rewritten = True
+            first, *rest = piece.split(BACKSPACE)
+            self.line += first
+            for part in rest:
+                if self.line:
+                    del self.line[-1]
+                self.line += part
+        else:
+            self.line += piece
+
+    def _end_line(self) -> bytes:
+        text, rewritten = bytes(self.line), self.rewritten
+        self.line.clear()
+        self.rewritten = False
         if self.terminal and rewritten:  # another rank's progress bar: rank 0's alone is shown
             return b""
         return self.prefix + text + NEWLINE
@@ -77,28 +87,50 @@ class RankStream:
 
 class Output:
     """Every process's stdout and stderr, forwarded by a thread each, to `screen` (the launcher's stdout)
-    and, with `directory`, to per-rank files."""
+    and, with `directory`, to per-rank files: those of ranks 0..ranks-1 are made at once, in a private
+    folder (private_files), so that a folder that cannot be written fails before any process starts."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, screen: Any = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str] | None = None, screen: Any = None, ranks: int = 0
+    ) -> None:
         self.screen = screen if screen is not None else sys.stdout.buffer
         self.terminal = bool(getattr(self.screen, "isatty", lambda: False)())
-        self.directory = Path(directory) if directory else None
+        self.directory = Path(private_directory(str(directory), "--output-filename")) if directory else None
         self.lock = threading.Lock()
         self.mid_line = False  # rank 0's last bytes on a terminal ended mid-line (a progress bar)
         self.threads: list[threading.Thread] = []
+        self._files = {rank: self._open(rank) for rank in range(ranks)} if self.directory else {}
+
+    def _open(self, rank: int) -> tuple[IO[bytes], IO[bytes]]:
+        assert self.directory is not None
+        folder = self.directory / f"rank.{rank}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        out = os.fdopen(open_private(str(folder / "stdout")), "wb")
+        try:
+            return out, os.fdopen(open_private(str(folder / "stderr")), "wb")
+        except BaseException:
+            out.close()
+            raise
 
     def files(self, rank: int) -> tuple[IO[bytes] | None, IO[bytes] | None]:
         if self.directory is None:
             return None, None
-        folder = self.directory / f"rank.{rank}"
-        folder.mkdir(parents=True, exist_ok=True)
-        return open(folder / "stdout", "wb"), open(folder / "stderr", "wb")
+        return self._files.pop(rank, None) or self._open(rank)
+
+    def close(self) -> None:
+        """Closes the files of ranks that were never followed."""
+        for out, err in self._files.values():
+            out.close()
+            err.close()
+        self._files.clear()
 
     def follow(self, rank: int, stdout: IO[bytes] | None, stderr: IO[bytes] | None, tail: Any = None) -> None:
         """Starts forwarding one process's pipes; `tail` (a deque) keeps its last lines, for errors."""
         out_file, err_file = self.files(rank)
         for pipe, file in ((stdout, out_file), (stderr, err_file)):
             if pipe is None:
+                if file is not None:
+                    file.close()
                 continue
             thread = threading.Thread(
                 target=self._forward, args=(RankStream(rank, self.terminal), pipe, file, tail), daemon=True
@@ -112,8 +144,9 @@ class Output:
                 if file is not None:
                     file.write(data)
                     file.flush()
-                if tail is not None:
-                    for line in data.replace(RETURN, NEWLINE).split(NEWLINE):
+                if tail is not None:  # its last lines only: what the deque keeps of this chunk
+                    lines = data.replace(RETURN, NEWLINE).split(NEWLINE)
+                    for line in lines[-2 * (tail.maxlen or len(lines)) :]:
                         if line.strip():
                             tail.append(line.decode(errors="replace"))
                 self._show(stream, stream.feed(data))
