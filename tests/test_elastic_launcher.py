@@ -130,13 +130,15 @@ echo 127.0.0.1:2
 
 
 def test_a_discovery_script_that_hangs_never_holds_the_launcher(tmp_path: Path) -> None:
-    """It ran on the launcher's loop, for its 30 s timeout, past the job's --timeout, and its child was
-    left running. Now it runs apart: the job's --timeout holds, and the script's process group ends."""
+    """It ran on the launcher's loop (asked for more slots while the group is below --max-np), for its
+    30 s timeout, past the job's --timeout, and its child was left running. Now it runs apart: the job's
+    --timeout holds, and the script's process group ends."""
     script = tmp_path / "discover.sh"
     script.write_text(DISCOVERY.format(ran=tmp_path / "ran", child=tmp_path / "child.pid"))
     script.chmod(0o755)
     code, log, seconds = elastic(
-        tmp_path, "-np", "2", "--host-discovery-script", str(script), "--host-discovery-interval", "0.2",
+        tmp_path, "-np", "2", "--max-np", "3", "--host-discovery-script", str(script),
+        "--host-discovery-interval", "0.2",
         "--timeout", "4", "--state-dir", str(tmp_path / "state"), behaviour="sleep",
     )  # fmt: skip
     assert code == 124, log

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_service import flooded
 from tf_adasum.elastic_pool import ENV_FORKSERVER, Pool
 from tf_adasum.elastic_protocol import (
     ENV_DRIVER,
@@ -171,25 +172,6 @@ sys.exit(int(os.environ.get("CODE", "0")))
 """
 
 
-def _flooded(address: str) -> int:
-    """How much of a 64 MiB hello the service takes from a stranger that cannot prove the key (the
-    pool's old hello was a length-prefixed message of up to 4 GiB, read whole before its secret was
-    checked: 400 MiB took the launcher from 24 to 424 MiB)."""
-    host, _, port = address.rpartition(":")
-    sent = 0
-    with socket.create_connection((host, int(port)), timeout=10) as stranger:
-        stranger.recv(64)  # the greeting and the service's nonce
-        chunk = b"\xff" * (1 << 20)
-        try:
-            stranger.sendall(b"\xff\xff\xff\xff" + bytes(44))  # a wrong proof, or a 4 GiB length
-            while sent < 64 << 20:
-                stranger.sendall(chunk)
-                sent += len(chunk)
-        except OSError:  # reset: the service closed the connection, the rest unread
-            pass
-    return sent
-
-
 def _wait_ready(pool: Pool, host: str, count: int) -> None:
     deadline = time.monotonic() + 180
     while pool.ready_on(host) < count:
@@ -206,7 +188,7 @@ def test_a_warm_process_runs_a_script_as_a_cold_one_would(tmp_path: Path) -> Non
         pool.fill({"127.0.0.1": 2})
         _wait_ready(pool, "127.0.0.1", 2)
         # Anyone without the key is shut out; the pool's processes stay as they were.
-        assert _flooded(pool.address) < 16 << 20
+        assert flooded(pool.address) < 16 << 20
         assert pool.ready_on("127.0.0.1") == 2
 
         script = tmp_path / "child.py"

@@ -29,6 +29,25 @@ class Echo(Service):
         return False
 
 
+def flooded(address: str) -> int:
+    """How much of a 64 MiB hello the service takes from a stranger that cannot prove the key (the
+    pool's old hello was a length-prefixed message of up to 4 GiB, read whole before its secret was
+    checked: 400 MiB took the launcher from 24 to 424 MiB)."""
+    host, _, port = address.rpartition(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as stranger:
+        chunk = b"\xff" * (1 << 20)
+        try:
+            # At once, the greeting unread: a wrong proof, or a length of 4 GiB where a hello led.
+            stranger.sendall(b"\xff\xff\xff\xff" + bytes(44))
+            while sent < 64 << 20:
+                stranger.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # reset: the service closed the connection, the rest unread
+            pass
+    return sent
+
+
 def _silent(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host, int(port)), timeout=30)
@@ -72,5 +91,13 @@ def test_connections_past_the_cap_are_closed_before_anything_is_read() -> None:
             thread.join(30)
         # Slots free again once answered: the service goes on.
         assert ask(echo.address, echo.key, {"n": 5}, timeout=10) == ({"n": 5}, b"")
+    finally:
+        echo.close()
+
+
+def test_a_stranger_is_read_no_further_than_the_handshake() -> None:
+    echo = Echo(max_connections=8)
+    try:
+        assert flooded(echo.address) < 16 << 20
     finally:
         echo.close()
