@@ -113,8 +113,8 @@ def phase_times(
     fill and norms (fusion.fuse_host), the agreement (one all-gather of three int64 codes), and the
     algorithm in place on a host buffer, level by level; Python's share is what the call costs above
     their sum."""
-    from tf_adasum import agreement, fusion, vhdd
-    from tf_adasum.tensor_lists import indices_by_dtype
+    from tf_adasum.algorithm import agreement, fusion, vhdd
+    from tf_adasum.algorithm.tensor_lists import indices_by_dtype
 
     (index,) = indices_by_dtype(tensors)
     threads = vhdd.host_threads(comm)
@@ -139,7 +139,7 @@ def strategy_sync_ms(
 ) -> float:
     """Median ms of AdasumStrategy's compiled sync over `per_process` local replicas, each with its own
     random deltas of `shapes`, in local_reduction `mode`."""
-    from tf_adasum import sync
+    from tf_adasum.training import model_sync
 
     mine = [
         d.name
@@ -157,7 +157,7 @@ def strategy_sync_ms(
 
     @tf.function
     def step() -> tf.Tensor:
-        return sync.sync_deltas(strategy, variables, anchors)
+        return model_sync.sync_deltas(strategy, variables, anchors)
 
     with strategy.scope():
         return median_ms(lambda: step().numpy(), repeats, before=barrier)

@@ -141,8 +141,9 @@ def against_native(args: argparse.Namespace) -> None:
     import ml_dtypes
 
     from tf_adasum import ops
+    from tf_adasum.common import loader
 
-    installed = ops._host(ops._library_path())
+    installed = loader.host_library_at(loader.library_path())
     native = ctypes.CDLL(str(build_native_core()))
     pointer, count = ctypes.c_void_p, ctypes.c_int
     native.tf_adasum_segment_dot_norms.argtypes = [count, pointer, pointer, pointer, count, pointer, count]

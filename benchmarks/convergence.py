@@ -59,7 +59,7 @@ import tensorflow as tf  # noqa: E402
 tf.get_logger().setLevel("ERROR")  # pfor's note that Conv2DBackpropFilter runs as a loop, per trace
 
 from tf_adasum.demo import augmented_digits  # noqa: E402
-from tf_adasum.tensor_lists import squared_norms  # noqa: E402
+from tf_adasum.ops import squared_norms  # noqa: E402
 
 LOCAL_BATCH = 32
 FIELDS = [

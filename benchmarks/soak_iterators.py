@@ -1,7 +1,7 @@
 """Soak: the MultiDeviceIterator crash AdasumStrategy holds its latest iterators against, counted.
 
 Destroying TensorFlow's MultiDeviceIterator while its background thread reads kills the process
-(SIGSEGV; see tf_adasum/strategy.py, _keeping_iterators). AdasumStrategy holds its KEPT_ITERATORS
+(SIGSEGV; see tf_adasum/training/strategy.py, _keeping_iterators). AdasumStrategy holds its KEPT_ITERATORS
 latest distributed iterators, a mitigation by count. This runs R jobs of 2 processes (the TF engine,
 `python -m tf_adasum.run`), each of N rounds of fit + evaluate (on numpy arrays, or a tf.data dataset),
 and counts the jobs that crashed: a TensorFlow upgrade or a change to the input path shows here at once.
@@ -35,7 +35,7 @@ def worker(rounds: int, kept: int, data: str) -> None:
     import tensorflow as tf
 
     import tf_adasum
-    from tf_adasum import strategy as strategy_module
+    from tf_adasum.training import strategy as strategy_module
 
     strategy_module.KEPT_ITERATORS = kept
     strategy = tf_adasum.AdasumStrategy()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tf_adasum import ops  # first: TensorFlow then starts without its C++ start-up log
+from tf_adasum import ops
 
 # isort: split
 import keras

@@ -1,4 +1,4 @@
-"""How the TF engine chooses between VHDD and one all-gather (tf_adasum/vhdd.py): by the bytes each
+"""How the TF engine chooses between VHDD and one all-gather (tf_adasum/algorithm/vhdd.py): by the bytes each
 sends, the link's speed and the collectives each takes; MPI always takes VHDD. And where VHDD cuts a
 large buffer into the chunks of its pipeline (vhdd.pipeline_cuts), and one buffer's gather into parts
 (vhdd._gather_in_parts), and VHDD itself on any number of ranks, each rank a thread."""
@@ -16,8 +16,9 @@ import pytest
 import tensorflow as tf
 
 from tests import oracle
-from tf_adasum import vhdd
-from tf_adasum.tree import fold_size
+from tf_adasum.algorithm import vhdd
+from tf_adasum.algorithm.tree import fold_size
+from tf_adasum.common import settings
 
 MB = 1 << 20
 
@@ -42,13 +43,13 @@ def test_the_link_comes_from_the_environment_and_a_bad_value_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("TF_ADASUM_LINK_GBITS", raising=False)
-    assert vhdd.link_gbits() == vhdd.LINK_GBITS
+    assert settings.link_gbits() == settings.LINK_GBITS
     monkeypatch.setenv("TF_ADASUM_LINK_GBITS", "25")
-    assert vhdd.link_gbits() == 25.0
+    assert settings.link_gbits() == 25.0
     for bad in ("fast", "0", "-1"):
         monkeypatch.setenv("TF_ADASUM_LINK_GBITS", bad)
         with pytest.raises(ValueError, match=f"TF_ADASUM_LINK_GBITS='{bad}'; expected the link's speed"):
-            vhdd.link_gbits()
+            settings.link_gbits()
 
 
 def check_cuts(starts: list[int], itemsize: int, want: list[int]) -> None:

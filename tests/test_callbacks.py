@@ -18,7 +18,11 @@ import tf_adasum
 import tf_adasum.keras as hvd
 import tf_adasum.tensorflow
 from tests.test_training import build_linear, cpus, make_inner, problem
-from tf_adasum import agreement, distributed, engine, errors, shared_state, sync
+from tf_adasum import distributed
+from tf_adasum.algorithm import agreement
+from tf_adasum.comm import engine
+from tf_adasum.common import errors, settings
+from tf_adasum.training import keras_consensus, model_sync
 
 
 def test_adasum_callback_in_one_process_trains_as_the_plain_optimizer(tmp_path: Path) -> None:
@@ -101,7 +105,7 @@ def test_learning_rate_warmup_reaches_initial_lr_and_warns_about_keras_momentum(
 
 def test_metric_average_and_broadcast_are_identities_in_a_world_of_one() -> None:
     logs = {"loss": 0.5, "accuracy": np.float32(0.25), "name": "kept"}
-    assert shared_state.average_logs(logs) == logs
+    assert keras_consensus.average_logs(logs) == logs
     variable = tf.Variable([1.0, 2.0])
     hvd.broadcast_variables([variable], root_rank=0)
     np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])
@@ -182,7 +186,7 @@ def test_buckets_are_cut_from_the_last_gradient_back_in_a_traced_step(
     assert traced_groups() == [[0, 1, 2, 3]]
     monkeypatch.setenv("TF_ADASUM_BUCKET_MB", "lots")
     with pytest.raises(ValueError, match="TF_ADASUM_BUCKET_MB='lots'; expected megabytes"):
-        distributed.bucket_bytes()
+        settings.bucket_bytes()
 
 
 def test_distributed_optimizer_chooses_by_op() -> None:
@@ -306,13 +310,13 @@ def test_a_fit_that_raised_leaves_no_second_sync_behind(monkeypatch: pytest.Monk
             raise RuntimeError("interrupted")
 
     traced_syncs: list[int] = []
-    real_sync = sync.sync_if_due
+    real_sync = model_sync.sync_if_due
 
     def counting_sync(*args: Any, **kwargs: Any) -> None:  # runs when the train step is traced
         traced_syncs.append(1)
         real_sync(*args, **kwargs)
 
-    monkeypatch.setattr(sync, "sync_if_due", counting_sync)
+    monkeypatch.setattr(model_sync, "sync_if_due", counting_sync)
     x, y, _, _ = problem()
     optimizer = make_inner("sgd_momentum")
     model = build_linear(tf.distribute.get_strategy(), lambda: optimizer)

@@ -24,10 +24,11 @@ import pytest
 import tf_adasum
 from tests.processes import ROOT
 from tf_adasum import elastic
-from tf_adasum.elastic_commits import KEY_FILE, read_key
-from tf_adasum.elastic_launcher import elastic_launch
-from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
-from tf_adasum.elastic_state import read_commits
+from tf_adasum.elastic.state import read_commits
+from tf_adasum.launch.elastic.commits import KEY_FILE, read_key
+from tf_adasum.launch.elastic.driver import elastic_launch
+from tf_adasum.launch.protocol import RESTART_EXIT_CODE
+from tf_adasum.launch.settings import ElasticSettings
 
 # Times detection and recovery: `make test` runs it after the rest, alone on the machine.
 pytestmark = pytest.mark.alone
@@ -435,13 +436,13 @@ def test_elastic_flags_need_elastic() -> None:
 def test_the_launcher_refuses_sizes_it_cannot_keep() -> None:
     """Nothing is quietly changed: --max-np below -np, --min-np above it, or -H with too few slots."""
     with pytest.raises(ValueError, match=r"expected 1 <= --min-np <= -np <= --max-np, got 2, 3, 2"):
-        elastic_launch(3, ["true"], min_np=2, max_np=2)
+        ElasticSettings(3, ["true"], min_np=2, max_np=2)
     with pytest.raises(ValueError, match=r"got 4, 3, 3"):
-        elastic_launch(3, ["true"], min_np=4)
+        ElasticSettings(3, ["true"], min_np=4)
     with pytest.raises(ValueError, match=r"-H 'a:1,b:1' has 2 slots for -np 3"):
-        elastic_launch(3, ["true"], hosts="a:1,b:1")
-    with pytest.raises(ValueError, match=r"expected a --host-discovery-interval above 0 seconds, got -1"):
-        elastic_launch(3, ["true"], discovery_script="true", discovery_interval=-1)
+        elastic_launch(ElasticSettings(3, ["true"], hosts="a:1,b:1"))
+    with pytest.raises(ValueError, match=r"expected --host-discovery-interval above 0, got -1"):
+        ElasticSettings(3, ["true"], discovery_script="true", discovery_interval=-1)
 
 
 def test_restart_exit_code_is_not_a_common_one() -> None:
@@ -470,8 +471,8 @@ def test_a_commit_file_that_was_replaced_is_refused_never_unpickled(
 ) -> None:
     """A survivor unpickled its state file as it found it: another user who could write it ran code as
     the job's owner. Now the file is private, sealed under the job's key and checked first."""
-    from tf_adasum import elastic_state
-    from tf_adasum.secret import ENV_SECRET, AuthenticationError, new_secret, seal
+    from tf_adasum.elastic import state as elastic_state
+    from tf_adasum.launch.secret import ENV_SECRET, AuthenticationError, new_secret, seal
 
     key, path = new_secret(), tmp_path / "state" / "group0" / "rank0-w0.pkl"
     elastic_state.write_commits(str(path), {3: {"objects": {"epoch": 1}}}, key)
@@ -517,9 +518,9 @@ def test_an_elastic_sync_spares_adasums_broadcast_before_the_first_step(
     its first step would send the whole model again at every group's start. A fit with no sync before it
     still broadcasts, once."""
     broadcasts: list[int] = []
-    real = tf_adasum.optimizer.broadcast_variables
+    real = tf_adasum.training.optimizer.broadcast_variables
     monkeypatch.setattr(
-        tf_adasum.optimizer,
+        tf_adasum.training.optimizer,
         "broadcast_variables",
         lambda variables, root: (broadcasts.append(len(variables)), real(variables, root)),
     )

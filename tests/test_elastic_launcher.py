@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tests.processes import ROOT
 from tests.test_private_files import as_nobody, as_root, shared  # noqa: F401 (a fixture)
-from tf_adasum.elastic_commits import KEY_FILE
-from tf_adasum.secret import new_secret, seal
+from tf_adasum.launch.elastic.commits import KEY_FILE
+from tf_adasum.launch.secret import new_secret, seal
 
 CHILD = """
 import json, os, sys, time

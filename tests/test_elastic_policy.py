@@ -1,5 +1,5 @@
-"""The elastic launcher's membership rules (tf_adasum/elastic_policy.py), without processes: who forms the
-next group, how processes and groups end, when a process still running is hung."""
+"""The elastic launcher's membership rules (tf_adasum/launch/elastic/policy.py), without processes: who
+forms the next group, how processes and groups end, when a process still running is hung."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from tf_adasum import elastic_policy as policy
-from tf_adasum.elastic_protocol import RESTART_EXIT_CODE
+from tf_adasum.launch.elastic import policy as policy
+from tf_adasum.launch.protocol import RESTART_EXIT_CODE
 
 
 def test_survivors_keep_their_slots_in_rank_order_and_new_processes_fill_up_to_the_target() -> None:

@@ -1,5 +1,5 @@
 """The elastic launcher's services and its pool of warm processes, each on its own (tf_adasum/
-elastic_protocol.py, tf_adasum/elastic_pool.py): they answer only holders of the job's key, listen no
+elastic_protocol.py, tf_adasum/launch/elastic/pool.py): they answer only holders of the job's key, listen no
 wider than asked, and a warm process runs a script as a cold one would."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 
 from tests.test_service import flooded
-from tf_adasum.elastic_pool import ENV_FORKSERVER, Pool
-from tf_adasum.elastic_protocol import (
+from tf_adasum.launch.elastic.pool import ENV_FORKSERVER, Pool
+from tf_adasum.launch.protocol import (
     ENV_DRIVER,
     ENV_GENERATION,
     NoticeBoard,
     SlotNotices,
     watch_for_end,
 )
-from tf_adasum.secret import ENV_SECRET, AuthenticationError, Channel, new_secret
-from tf_adasum.service import ask
+from tf_adasum.launch.secret import ENV_SECRET, AuthenticationError, Channel, new_secret
+from tf_adasum.launch.service import ask
 
 # Times how soon a watcher hears: `make test` runs it after the rest, alone on the machine.
 pytestmark = pytest.mark.alone
@@ -166,7 +166,7 @@ def test_the_launchers_copy_of_a_commit_is_served_once_copied_and_nothing_outsid
 CHILD = """
 import json, os, sys
 json.dump({"argv": sys.argv, "cwd": os.getcwd(), "setting": os.environ.get("A_SETTING"),
-           "warm": "tf_adasum.elastic_pool" in sys.modules, "name": __name__},
+           "warm": "tf_adasum.launch.elastic.pool" in sys.modules, "name": __name__},
           open(os.environ["OUT"], "w"))
 sys.exit(int(os.environ.get("CODE", "0")))
 """
@@ -447,7 +447,7 @@ def test_a_relay_sends_nothing_to_a_fork_server_name_that_another_user_holds(
     relay checks the server's user first, and sends nothing to another's."""
     if os.getuid() != 0:
         pytest.skip("becoming another user (nobody) needs root; CI runs as root")
-    from tf_adasum import elastic_relay
+    from tf_adasum.launch import relay as elastic_relay
 
     name = f"tf_adasum-{new_secret()[:32]}"
     report_read, report_write = os.pipe()
@@ -479,7 +479,7 @@ def test_a_relay_sends_nothing_to_a_fork_server_that_does_not_hold_the_key(
 ) -> None:
     """The same user's socket, answered by something without the job's key: refused at the handshake,
     with only the relay's nonce and proof sent (no streams, no environment)."""
-    from tf_adasum import elastic_relay
+    from tf_adasum.launch import relay as elastic_relay
 
     name = f"tf_adasum-{new_secret()[:32]}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

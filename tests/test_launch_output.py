@@ -1,4 +1,4 @@
-"""What the launchers show of their processes' output (tf_adasum/launch_output.py): in a log, whole lines
+"""What the launchers show of their processes' output (tf_adasum/launch/output.py): in a log, whole lines
 prefixed with the rank, a progress bar once as it ends; on a terminal, rank 0's progress bar alone; with
 --output-filename, one folder per rank."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tf_adasum.launch_output import MAX_LINE_BYTES, Output, RankStream
+from tf_adasum.launch.output import MAX_LINE_BYTES, Output, RankStream
 
 # A Keras progress bar as it reaches a pipe: rewritten in place with "\b" and "\r", then a newline.
 BAR = b"1/2 \xe2\x94\x81\x1b[0m - loss: 1.0\b\b\b\b\b\b\b\b\b\b\r2/2 done - loss: 0.5\n"

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tf_adasum import run
+from tf_adasum.launch import static
+from tf_adasum.launch.hosts import StartError, parse_hosts
+from tf_adasum.launch.settings import LaunchSettings
 
 CHILD = """
 import json, os, sys, time
@@ -41,7 +43,9 @@ def start(tmp_path: Path, behaviour: str, timeout: float | None = None) -> tuple
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     begin = time.monotonic()
-    code = run.launch(2, [sys.executable, str(script), str(tmp_path), behaviour], timeout)
+    code = static.launch(
+        LaunchSettings(2, [sys.executable, str(script), str(tmp_path), behaviour], timeout=timeout)
+    )
     return code, time.monotonic() - begin
 
 
@@ -67,7 +71,7 @@ def test_every_line_carries_the_rank_and_every_process_its_config(
 def test_the_first_failure_ends_every_process_with_its_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run, "GRACE_SECONDS", 2.0)
+    monkeypatch.setattr(static, "GRACE_SECONDS", 2.0)
     code, seconds = start(tmp_path, "fail")
     assert code == 3 and 2 <= seconds < 30, (code, seconds)
     assert not alive(tmp_path, 0)  # the sleeper was killed after the grace, not left behind
@@ -76,7 +80,7 @@ def test_the_first_failure_ends_every_process_with_its_code(
 def test_the_others_may_report_the_failure_before_they_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(run, "GRACE_SECONDS", 30.0)
+    monkeypatch.setattr(static, "GRACE_SECONDS", 30.0)
     code, seconds = start(tmp_path, "report")
     assert code == 3 and seconds < 20, (code, seconds)  # the first failure's code, without the grace
     assert (tmp_path / "reported").read_text() == "lost rank 1"
@@ -111,29 +115,29 @@ def test_the_elastic_relay_imports_no_tensorflow_until_it_must() -> None:
     # it must start in a fraction of a second. Told of no fork server, it becomes a warm process that
     # imports everything itself (the same process, exec'd), and says so first.
     env = {k: v for k, v in os.environ.items() if k != "TF_ADASUM_ELASTIC_FORKSERVER"}
-    command = [sys.executable, "-X", "importtime", "-m", "tf_adasum.elastic_relay"]
+    command = [sys.executable, "-X", "importtime", "-m", "tf_adasum.launch.relay"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, env=env)
-    said = "tf_adasum.elastic_relay: no fork server is named; this warm process imports TensorFlow itself"
+    said = "tf_adasum.launch.relay: no fork server is named; this warm process imports TensorFlow itself"
     assert said in done.stderr, done.stderr[-3000:]
     relay, standby = done.stderr.split(said)
     imported = [
         line.rsplit("|", 1)[-1].strip() for line in relay.splitlines() if line.startswith("import time:")
     ]
-    assert "tf_adasum.elastic_pool" in imported, imported[-20:]  # the relay's own imports
+    assert "tf_adasum.launch.elastic.pool" in imported, imported[-20:]  # the relay's own imports
     heavy = [m for m in imported if m.split(".")[0] in ("tensorflow", "keras", "numpy")]
     assert not heavy, heavy[:10]
     # Then the same process is the standby, TensorFlow imported, which finds no pool to wait for here.
-    assert "elastic_standby.py" in standby, standby[-2000:]
+    assert "elastic/standby.py" in standby, standby[-2000:]
     assert "KeyError: 'TF_ADASUM_ELASTIC_POOL'" in standby, standby[-2000:]
 
 
 def test_a_host_list_places_ranks_in_order_as_horovodrun() -> None:
-    assert run.parse_hosts("10.0.0.1:2,10.0.0.2:2", 4) == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2
-    assert run.parse_hosts("a,b,c", 2) == ["a", "b"]  # one slot each by default; the rest unused
+    assert parse_hosts("10.0.0.1:2,10.0.0.2:2", 4) == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2
+    assert parse_hosts("a,b,c", 2) == ["a", "b"]  # one slot each by default; the rest unused
     with pytest.raises(ValueError, match=r"has 3 slots for -np 4"):
-        run.parse_hosts("a:1,b:2", 4)
+        parse_hosts("a:1,b:2", 4)
     with pytest.raises(ValueError, match=r"expected host:slots entries .* got 'b:two'"):
-        run.parse_hosts("a:1,b:two", 2)
+        parse_hosts("a:1,b:two", 2)
 
 
 # An agent in ssh's place that runs the command here, noting which host it was asked for.
@@ -155,7 +159,8 @@ def test_other_hosts_are_started_through_the_agent_with_the_environment(
     monkeypatch.setenv("USERS_SETTING", 'it\'s "quoted" $HOME')
     monkeypatch.chdir(tmp_path)
     command = [sys.executable, str(script), str(tmp_path), "exit"]
-    code = run.launch(3, command, hosts="localhost:1,hostb:2", agent=f"{sys.executable} {agent}")
+    settings = LaunchSettings(3, command, hosts="localhost:1,hostb:2", agent=f"{sys.executable} {agent}")
+    code = static.launch(settings)
     lines = capfd.readouterr().out.splitlines()
     assert code == 0, lines
     assert [line.split(" at ")[1].rsplit(":", 1)[0] for line in sorted(lines)] == [
@@ -251,9 +256,9 @@ def test_a_start_that_fails_ends_the_processes_already_started(tmp_path: Path) -
     (tmp_path / "child.py").write_text(CHILD)
     command = [sys.executable, str(tmp_path / "child.py"), str(tmp_path), "hang"]
     with pytest.raises(
-        run.StartError, match=r"could not start rank 1 on hostb through the agent '/no/such/agent'"
+        StartError, match=r"could not start rank 1 on hostb through the agent '/no/such/agent'"
     ):
-        run.launch(2, command, hosts="localhost:1,hostb:1", agent="/no/such/agent")
+        static.launch(LaunchSettings(2, command, hosts="localhost:1,hostb:1", agent="/no/such/agent"))
     running = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
     assert running.stdout == "", "rank 0 was left running"
 
@@ -261,4 +266,4 @@ def test_a_start_that_fails_ends_the_processes_already_started(tmp_path: Path) -
 def test_a_process_killed_by_a_signal_exits_as_a_shell_says_it(tmp_path: Path) -> None:
     script = tmp_path / "killed.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    assert run.launch(1, [sys.executable, str(script)]) == 128 + 9
+    assert static.launch(LaunchSettings(1, [sys.executable, str(script)])) == 128 + 9

@@ -16,29 +16,41 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "tf_adasum"
 
 FLOORS: list[list[str]] = [
-    # leaves: nothing of tf_adasum
+    # leaves: the layer folders' faces, settings, the quiet start, Keras variables, tensor lists and their
+    # checks, compression, loss scaling; the launcher's hosts, its private files and its key
     [
-        "settings",
-        "secret",
-        "private_files",
-        "compression",
-        "variables",
-        "ops",
-        "_quiet",
-        "hosts",
-        "loss_scaling",
+        "common",
+        "common.settings",
+        "common.quiet",
+        "common.variables",
+        "algorithm",
+        "algorithm.compression",
+        "algorithm.tensor_lists",
         "comm",
+        "training",
+        "training.loss_scaling",
+        "launch",
+        "launch.elastic",
+        "launch.hosts",
+        "launch.private_files",
+        "launch.secret",
         "_horovod",
+        "_compat.numpy_views",
     ],
-    # errors; the launcher's services and its output; the numpy views the MPI engine receives into
-    ["errors", "service", "launch_output", "_compat.numpy_views"],
-    # the registry of private Keras and TensorFlow hooks; tensor lists; the elastic launcher's protocol
-    ["_compat.registry", "tensor_lists", "elastic_protocol"],
-    # the elastic launcher's membership rules, its pool of warm processes, its copies of the commits
-    ["elastic_policy", "elastic_pool", "elastic_commits"],
-    # the elastic launcher's discovery of slots
-    ["elastic_discovery"],
-    # each hook, by subject; the communicator interface; the contract tree; the launcher
+    # errors; the compiled library's loader; Horovod's compression; the launcher's services and output
+    [
+        "common.errors",
+        "common.loader",
+        "_horovod.compression",
+        "launch.service",
+        "launch.output",
+        "launch.supervise",
+    ],
+    # the registry of private Keras and TensorFlow hooks; the ops; the communicator interface; the
+    # elastic launcher's protocol with its processes
+    ["_compat.registry", "ops", "comm.base", "launch.protocol"],
+    # each hook, by subject; the contract tree; what ranks check before data moves; the elastic
+    # launcher's rules, its pool of warm processes and its copies of the commits
     [
         "_compat.optimizers",
         "_compat.trainer",
@@ -47,67 +59,66 @@ FLOORS: list[list[str]] = [
         "_compat.layers",
         "_compat.profiler",
         "_compat.losses",
-        "comm.base",
-        "tree",
-        "elastic_launcher",
-        "elastic_relay",
+        "algorithm.tree",
+        "algorithm.agreement",
+        "launch.elastic.policy",
+        "launch.elastic.pool",
+        "launch.elastic.commits",
     ],
-    # the fence's face: every private name tf_adasum touches
-    ["_compat"],
-    # the Timeline of each rank's phases
-    ["timeline"],
-    # the engines; the fused buffer
-    ["comm.mpi", "comm.tf_collective", "fusion"],
-    # what ranks check before data moves; the algorithms on one buffer
-    ["agreement", "vhdd"],
-    # Adasum across processes; this process's engine
-    ["across_processes", "engine"],
-    # the public collectives; Horovod's process sets
-    ["distributed", "_horovod.process_sets"],
-    # Keras state shared by processes; the one model sync; BatchNorm over processes; elastic state;
-    # Horovod's argument rules and compression
+    # the fence's face; the elastic launcher's discovery of slots; a warm process's relay
+    ["_compat", "launch.elastic.discovery", "launch.relay"],
+    # the Timeline; every replica's optimizer state; the learning-rate schedule; a launch's settings
+    ["timeline", "training.replica_optimizer_state", "callbacks.learning_rate_schedule", "launch.settings"],
+    # the fused buffer; the static launch and the elastic one
+    ["algorithm.fusion", "launch.static", "launch.elastic.driver"],
+    # the algorithms on one buffer; Adasum across processes, asked of the engine; the command line
+    ["algorithm.vhdd", "algorithm.fused_adasum", "launch.cli"],
+    # the engines' two paths: with TensorFlow ops, and on host memory; `python -m tf_adasum.run`
+    ["algorithm.in_graph", "algorithm.on_host", "run"],
+    # the engines, each with its path
+    ["comm.mpi", "comm.tf_collective"],
+    # this process's engine
+    ["comm.engine"],
+    # the public collectives; Horovod's process sets; elastic state
+    ["distributed", "_horovod.process_sets", "elastic.state"],
+    # the model sync; Keras state processes share; BatchNorm over processes; TensorFlow and Keras elastic
+    # state; Horovod's argument rules; two callbacks that need only the collectives
     [
-        "shared_state",
-        "sync",
-        "sync_batch_norm",
-        "elastic_state",
+        "training.model_sync",
+        "training.keras_consensus",
+        "training.sync_batch_norm",
+        "elastic.keras",
         "_horovod.arguments",
-        "_horovod.compression",
+        "callbacks.best_model_checkpoint",
+        "callbacks.learning_rate_warmup",
     ],
-    # every replica's optimizer state; TensorFlow and Keras elastic state; Horovod's basics, collectives
-    # and functions; what two callbacks share
+    # AdasumOptimizer; hvd.elastic; Horovod's basics, collectives and functions; what two callbacks share
     [
-        "replica_state",
-        "elastic_keras",
+        "training.optimizer",
+        "elastic",
         "_horovod.basics",
         "_horovod.mpi_ops",
         "_horovod.functions",
         "callbacks.batches",
     ],
-    # AdasumOptimizer; hvd.elastic; Horovod's gradient tape
-    ["optimizer", "elastic", "_horovod.gradient_tape"],
-    # the entry points: AllreduceOptimizer, the strategy, the callbacks (one per file)
+    # the entry points: AllreduceOptimizer, the strategy, the callbacks (one per file); Horovod's tape
     [
-        "allreduce_optimizer",
-        "strategy",
+        "training.allreduce_optimizer",
+        "training.strategy",
         "callbacks.adasum",
         "callbacks.broadcast",
         "callbacks.metric_average",
-        "callbacks.best_model_checkpoint",
-        "callbacks.learning_rate_schedule",
         "callbacks.orthogonality",
+        "_horovod.gradient_tape",
     ],
-    # the warm-up (a schedule); Horovod's optimizers
-    ["callbacks.learning_rate_warmup", "_horovod.optimizers"],
-    # the callbacks' face; Horovod's TensorFlow face
-    ["callbacks", "tensorflow"],
-    # Horovod's Keras face: the TensorFlow face's functions, and the callbacks
-    ["keras"],
-    # the public face, the one place that patches Keras
-    ["__init__"],
-    ["demo", "elastic_standby", "run"],
+    # the callbacks' face; Horovod's optimizers
+    ["callbacks", "_horovod.optimizers"],
+    # the public face, the one place that patches Keras; Horovod's TensorFlow face
+    ["__init__", "tensorflow"],
+    # Horovod's Keras face; the demo; a warm process of the elastic launcher's pool
+    ["keras", "demo", "elastic.standby"],
     # the fork server of the elastic launcher's pool, which runs a warm process's standby in each fork
-    ["elastic_forkserver"],
+    ["elastic.forkserver"],
 ]
 
 
@@ -226,7 +237,16 @@ def test_the_check_finds_an_upward_import_a_sideways_one_and_a_circle(tmp_path: 
     assert len(found) == 6, found
 
 
-@pytest.mark.parametrize("module", ["sync", "shared_state", "across_processes", "fusion", "engine"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "training/model_sync",
+        "training/keras_consensus",
+        "algorithm/fused_adasum",
+        "algorithm/fusion",
+        "comm/engine",
+    ],
+)
 def test_each_module_says_its_one_job_first(module: str) -> None:
     docstring = ast.get_docstring(ast.parse((PACKAGE / f"{module}.py").read_text()))
     assert docstring and len(docstring.splitlines()[0]) <= 110, docstring
@@ -240,3 +260,71 @@ def test_no_module_is_over_500_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 500
     }
     assert not long, f"modules over 500 lines: {long}"
+
+
+HEAVY = ("tensorflow", "keras", "numpy", "mpi4py")
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every package `path` imports, at any depth (tf_adasum's own excluded)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found - {"tf_adasum"}
+
+
+def test_the_launcher_imports_no_tensorflow() -> None:
+    """A launch starts in a fraction of a second: nothing that launch/ imports, at any depth, imports
+    TensorFlow, Keras, numpy or MPI, and its packages' __init__ files are empty, so that importing
+    tf_adasum.launch.x imports nothing more."""
+    graph = import_graph(PACKAGE)
+    reached, todo = set(), [m for m in graph if m == "launch" or m.startswith("launch.")]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += [target for _, target in graph[module]]
+    heavy = {
+        module: sorted(third_party_imports(PACKAGE / (module.replace(".", "/") + ".py")) & set(HEAVY))
+        for module in reached
+        if (PACKAGE / (module.replace(".", "/") + ".py")).exists()
+    }
+    assert not {m: h for m, h in heavy.items() if h}, heavy
+    for init in (PACKAGE / "launch").rglob("__init__.py"):
+        assert init.read_text() == "", f"{init} must stay empty"
+    assert third_party_imports(PACKAGE / "run.py") & set(HEAVY) == set()
+
+
+# The top of tf_adasum/: the public faces (each a path users import) and the layer folders.
+PUBLIC_FACES = {
+    "__init__.py", "keras.py", "tensorflow.py", "ops.py", "timeline.py", "distributed.py", "demo.py",
+    "run.py", "callbacks", "elastic",
+}  # fmt: skip
+LAYER_FOLDERS = {"common", "algorithm", "comm", "training", "launch", "_compat", "_horovod"}
+
+
+def test_the_top_of_the_package_holds_the_public_faces_and_the_layer_folders() -> None:
+    top = {
+        p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
+    }
+    assert top == PUBLIC_FACES | LAYER_FOLDERS, (
+        f"only at the top: {sorted(top - PUBLIC_FACES - LAYER_FOLDERS)}; "
+        f"missing: {sorted(PUBLIC_FACES | LAYER_FOLDERS - top)}"
+    )
+
+
+def test_no_launcher_function_is_over_80_lines() -> None:
+    """The launcher reads as Horovod's runner: a parser, a dispatch, one supervise loop, small steps."""
+    long = {}
+    for path in (PACKAGE / "launch").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 80:
+                    long[f"{path.relative_to(PACKAGE)}:{node.name}"] = lines
+    assert not long, f"launcher functions over 80 lines: {long}"

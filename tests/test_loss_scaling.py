@@ -1,4 +1,5 @@
-"""Each replica's local step is a single-worker step, however the loss was built (tf_adasum/loss_scaling.py).
+"""Each replica's local step is a single-worker step, however the loss was built
+(tf_adasum/training/loss_scaling.py).
 
 One SGD step from known weights, on N = 2 and 4 replicas (logical CPUs), against numpy: the weights plus
 the contract tree over every replica's single-worker step on its own rows. The losses: the compiled loss;
@@ -23,7 +24,7 @@ from keras import ops
 
 import tf_adasum
 from tests import oracle
-from tf_adasum import loss_scaling
+from tf_adasum.training import loss_scaling
 
 LR, ROWS, REG = 0.1, 8, 0.05
 

@@ -81,7 +81,7 @@ def test_reports_every_n_steps_and_stops_recording_after_fit() -> None:
     for _, values in monitor.history:  # the same directions at every sync, momentum or not
         assert values["orthogonality/orthogonal/kernel"] == pytest.approx(1.0, rel=1e-12)
         assert values["orthogonality/parallel/kernel"] == pytest.approx(1 / P, rel=1e-12)
-    assert tf_adasum.sync.sync_stats(model.optimizer) is None
+    assert tf_adasum.training.model_sync.sync_stats(model.optimizer) is None
     recorded = int(monitor._stats.syncs.numpy())
     model.fit(x, y, batch_size=P, shuffle=False, verbose=0)  # without the monitor: nothing recorded
     assert int(monitor._stats.syncs.numpy()) == recorded == 3

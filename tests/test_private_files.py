@@ -1,4 +1,4 @@
-"""A job's files are private to its user (tf_adasum/private_files.py): its folders are refused where
+"""A job's files are private to its user (tf_adasum/launch/private_files.py): its folders are refused where
 another user owns or can write them or a folder above them, its files are 0600, written whole, and
 read without following a link. The two-user cases run as root (as CI does), the intruder as nobody."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tf_adasum.private_files import private_directory, read_private, write_private
+from tf_adasum.launch.private_files import private_directory, read_private, write_private
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """`python -m tf_adasum.demo` and the examples start without TensorFlow's C++ start-up log
-(tf_adasum/_quiet.py), and only they: a log level the user set, or any other program, still gets
+(tf_adasum/common/quiet.py), and only they: a log level the user set, or any other program, still gets
 TensorFlow's lines.
 
 Each run is a real process that imports TensorFlow and stops at argparse (a bad --replicas), a few
@@ -75,7 +75,7 @@ def test_only_absl_info_and_warning_lines_are_left_out(tmp_path: Path) -> None:
 
 
 def test_the_examples_and_the_demo_start_quietly_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tf_adasum import _quiet
+    from tf_adasum.common import quiet as _quiet
 
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     monkeypatch.delitem(sys.modules, "tensorflow")  # as before the program's first import

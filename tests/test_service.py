@@ -1,4 +1,4 @@
-"""A launcher's service (tf_adasum/service.py): it reads at most a handshake's bytes from a peer that
+"""A launcher's service (tf_adasum/launch/service.py): it reads at most a handshake's bytes from a peer that
 has not proved the job's key, ends a silent one after HANDSHAKE_SECONDS, and holds at most
 `max_connections` at once, closing the rest before reading anything."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tf_adasum import service
-from tf_adasum.secret import Channel, new_secret
-from tf_adasum.service import Service, ask
+from tf_adasum.launch import service
+from tf_adasum.launch.secret import Channel, new_secret
+from tf_adasum.launch.service import Service, ask
 
 
 class Echo(Service):

@@ -352,7 +352,7 @@ def test_fit_without_a_strategy_traces_its_train_step_once(wrapper: str) -> None
 def test_have_values_is_false_for_a_variable_made_in_the_trace() -> None:
     # What the optimizer's eager build and first-step broadcast and the strategy's adoption ask before
     # they read weights: a variable made inside the function being traced has no value until it runs.
-    from tf_adasum.variables import have_values
+    from tf_adasum.common.variables import have_values
 
     made = keras.Variable(np.ones(3, np.float32))
     seen: list[bool] = []
@@ -552,7 +552,7 @@ def test_the_strategy_holds_its_latest_iterators_until_newer_ones_replace_them()
     import gc
     import weakref
 
-    from tf_adasum.strategy import KEPT_ITERATORS
+    from tf_adasum.training.strategy import KEPT_ITERATORS
 
     strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
     for distributed in (

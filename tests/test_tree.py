@@ -10,8 +10,8 @@ import tensorflow as tf
 
 import tf_adasum
 from tests import oracle
-from tf_adasum.tensor_lists import first_mismatch, indices_by_dtype, tensor_specs
-from tf_adasum.tree import fill_nodes, roots_within, tree_pairs
+from tf_adasum.algorithm.tensor_lists import first_mismatch, indices_by_dtype, tensor_specs
+from tf_adasum.algorithm.tree import fill_nodes, roots_within, tree_pairs
 
 SHAPES = [(3, 5), (0,), (1031,), (1,), (2, 0, 3)]
 RTOL = {"float32": 1e-5, "float64": 1e-10}

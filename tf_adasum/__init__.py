@@ -7,12 +7,12 @@ also turns tf.data autotuning off on per-device prefetch datasets when it is cre
 
 `python -m tf_adasum.run`, the launcher, imports this package before it runs and needs none of it:
 there nothing below the check is imported, TensorFlow included (5 s of CPU per launch here). So it is
-for `python -m tf_adasum.elastic_relay`, which the elastic launcher starts for every warm process.
+for `python -m tf_adasum.launch.relay`, which the elastic launcher starts for every warm process.
 """
 
 import sys
 
-_WITHOUT_TENSORFLOW = ("tf_adasum.run", "tf_adasum.elastic_relay")
+_WITHOUT_TENSORFLOW = ("tf_adasum.run", "tf_adasum.launch.relay")
 
 
 def _the_launcher_alone() -> bool:
@@ -27,16 +27,19 @@ if not _the_launcher_alone():
     import functools
     import importlib.metadata
 
-    from tf_adasum import _quiet
+    from tf_adasum.common import quiet as _quiet
 
     # The demo and the examples start without TensorFlow's C++ start-up log (see _quiet). The imports below
     # import TensorFlow, so this comes first.
     if _quiet.wanted():
         _quiet.import_tensorflow_quietly()
 
-    from tf_adasum import _compat, callbacks, engine, errors, loss_scaling, ops, optimizer, strategy, sync
-    from tf_adasum.allreduce_optimizer import AllreduceOptimizer
+    from tf_adasum import _compat, callbacks, ops
+    from tf_adasum.algorithm.tree import adasum_tree
     from tf_adasum.callbacks import AdasumCallback
+    from tf_adasum.comm import engine
+    from tf_adasum.common import errors
+    from tf_adasum.common.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
     from tf_adasum.distributed import (
         Adasum,
         Average,
@@ -55,10 +58,10 @@ if not _the_launcher_alone():
         shutdown,
         size,
     )
-    from tf_adasum.errors import HookError, NonFiniteUpdateError, PeerError, UnevenDataError
-    from tf_adasum.optimizer import AdasumOptimizer
-    from tf_adasum.strategy import AdasumStrategy
-    from tf_adasum.tree import adasum_tree
+    from tf_adasum.training import loss_scaling, model_sync, optimizer, strategy
+    from tf_adasum.training.allreduce_optimizer import AllreduceOptimizer
+    from tf_adasum.training.optimizer import AdasumOptimizer
+    from tf_adasum.training.strategy import AdasumStrategy
 
     __all__ = [
         "Adasum",
@@ -98,7 +101,7 @@ if not _the_launcher_alone():
     def _before_train_function(model: object) -> None:
         strategy.adopt_optimizer_compiled_outside(model)
         optimizer.build_before_the_trace(model)
-        sync.without_xla(model)
+        model_sync.without_xla(model)
 
     # Keras's train and test functions: tf_adasum's errors translated; before a train function, an optimizer
     # compiled outside an AdasumStrategy's scope made an AdasumOptimizer, a wrapper built before the step is
@@ -109,10 +112,10 @@ if not _the_launcher_alone():
         strategy.losses_unscaled_for,
     )
     # Keras's loss scaling by the number of replicas: off in a train step of a model that runs Adasum, so
-    # each replica's loss is its own however it is built; seen in custom loops (tf_adasum/loss_scaling.py).
+    # each replica's loss is its own however it is built; seen in custom loops (training/loss_scaling.py).
     _compat.install_loss_scaling(loss_scaling.unscaled, loss_scaling.note_scaled)
     # Mixed precision skips a step everywhere when any replica of a syncing optimizer overflowed.
-    _compat.install_global_loss_scale_finiteness(sync.syncs, sync.finite_everywhere)
+    _compat.install_global_loss_scale_finiteness(model_sync.syncs, model_sync.finite_everywhere)
     # Under an AdasumStrategy a plain optimizer's step in a strategy.run loop runs as an AdasumOptimizer's,
     # and nothing sums the replicas' gradients.
     _compat.install_optimizer_apply(strategy.adasum_for)
@@ -126,7 +129,7 @@ if not _the_launcher_alone():
     def _start_as_launched() -> None:
         """What the process's launcher asks of tf_adasum before the script runs, from the environment:
         at import, and in a warm process of the elastic launcher's pool once it has its place
-        (tf_adasum/elastic_standby.py)."""
+        (tf_adasum/elastic/standby.py)."""
         # TensorFlow's collective runtime must be configured before TensorFlow runs its first op, and a
         # script imports tf_adasum before it builds its model: a process that horovodrun (Gloo mode) or
         # `python -m tf_adasum.run` started for the TF engine starts it here.

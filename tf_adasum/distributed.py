@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -16,11 +15,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import across_processes, agreement, errors, fusion, ops, timeline
+from tf_adasum import timeline
+from tf_adasum.algorithm import agreement, fused_adasum, fusion
+from tf_adasum.algorithm.compression import narrowed, widened
+from tf_adasum.algorithm.tensor_lists import as_tensor_list, check_float_tensors, indices_by_dtype
+from tf_adasum.algorithm.tree import adasum_tree
 from tf_adasum.comm.base import Communicator
-from tf_adasum.compression import narrowed, widened
-from tf_adasum.engine import (
-    ENGINES,
+from tf_adasum.comm.engine import (
     cross_rank,
     cross_size,
     detect_engine,
@@ -33,12 +34,10 @@ from tf_adasum.engine import (
     shutdown,
     size,
 )
-from tf_adasum.tensor_lists import indices_by_dtype
-from tf_adasum.tree import adasum_tree
-from tf_adasum.variables import tf_variable
+from tf_adasum.common import errors, settings
+from tf_adasum.common.variables import tf_variable
 
 __all__ = [
-    "ENGINES",
     "Adasum",
     "Average",
     "Max",
@@ -108,9 +107,9 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
     comm = init()
     op = ReduceOp(op)
     what = f"allreduce(op={op.name.title()})"
-    items, single = ops.as_tensor_list(what, tensors)
+    items, single = as_tensor_list(what, tensors)
     if op is Adasum:
-        ops.check_float_tensors(what, items, one_dtype=False)
+        check_float_tensors(what, items, one_dtype=False)
     if op is Adasum and tf.executing_eagerly() and comm.size > 1:
         # Eagerly the shapes are checked by fingerprint in the sync's agreement, with no round of
         # their own; how they differ is gathered only when they do.
@@ -119,13 +118,13 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
             if items and comm.compiles_eager_syncs:
                 out = _compiled_adasum(comm, items, names, metadata)
             else:
-                out = across_processes.adasum(comm, items, names, metadata)
+                out = fused_adasum.adasum(comm, items, names, metadata)
         except agreement.MetadataDiffers:
             agreement.check_same_on_all_ranks(comm, items, what, names)
             raise
     elif op is Adasum:  # traced: the check runs once, at trace time
         agreement.check_same_on_all_ranks(comm, items, what, names)
-        out = across_processes.adasum(comm, items, names)
+        out = fused_adasum.adasum(comm, items, names)
     else:
         agreement.check_same_on_all_ranks(comm, items, what, names)
         reduction = "sum" if op is Average else op.value
@@ -156,7 +155,7 @@ def _compiled_adasum(
 
     The algorithm is chosen when the function is traced, so a forced one ($TF_ADASUM_ALGORITHM) is part
     of the signature, and of the number its collectives' keys come from."""
-    forced = os.environ.get("TF_ADASUM_ALGORITHM", "")
+    forced = settings.forced_algorithm()
     specs = tuple((t.dtype, tuple(t.shape)) for t in items)
     key = (id(comm), forced, specs, tuple(names or ()))
     sync = _compiled_syncs.get(key)
@@ -165,7 +164,7 @@ def _compiled_adasum(
 
         def body(*tensors: tf.Tensor) -> list[tf.Tensor]:
             with comm.instance_keys_of(signature):
-                return across_processes.adasum(comm, list(tensors), names, metadata, first=False)
+                return fused_adasum.adasum(comm, list(tensors), names, metadata, first=False)
 
         sync = tf.function(body, input_signature=[tf.TensorSpec(s, d) for d, s in specs], autograph=False)
         _compiled_syncs[key] = sync
@@ -198,24 +197,6 @@ def allreduce_compressed(
     if compression == "none":
         return allreduce(tensors, op=op, names=names)
     return widened(allreduce(narrowed(tensors), op=op, names=names), tensors)
-
-
-# Gradient buckets for a traced step when no groups are given ($TF_ADASUM_BUCKET_MB, 0: one call).
-BUCKET_MB = 0.0
-
-
-def bucket_bytes() -> int:
-    """The size of a gradient bucket in a traced step: $TF_ADASUM_BUCKET_MB megabytes, else BUCKET_MB."""
-    given = os.environ.get("TF_ADASUM_BUCKET_MB", "")
-    try:
-        megabytes = float(given) if given else BUCKET_MB
-    except ValueError:
-        megabytes = -1.0
-    if not megabytes >= 0:
-        raise ValueError(
-            f"TF_ADASUM_BUCKET_MB={given!r}; expected megabytes per bucket, 0 or more (0: one call)"
-        )
-    return int(megabytes * (1 << 20))
 
 
 def gradient_groups(
@@ -272,7 +253,7 @@ def gradient_groups(
     if groups:
         parts = np.array_split(np.arange(count), min(groups, count))
         return [part.tolist() for part in reversed(parts)]
-    limit = bucket_bytes()
+    limit = settings.bucket_bytes()
     if not limit or tf.executing_eagerly() or count < 2:
         return [list(range(count))]
     out, current, size = [], [], 0
@@ -324,7 +305,7 @@ def allreduce_replicas(
     When every process holds the same power-of-two number L of replicas, the tree over all P*L
     replicas is the tree over the processes of each process's tree over its own L (the fold and every
     level pair whole processes), so each process combines its own and VHDD combines the processes.
-    Otherwise the tree splits inside processes: across_processes.tree_over_replicas.
+    Otherwise the tree splits inside processes: fused_adasum.tree_over_replicas.
 
     Raises:
         As allreduce(op=Adasum); a replica's NaN or Inf is reported by every process.
@@ -350,16 +331,16 @@ def allreduce_replicas(
         combined = adasum_tree(local) if len(local) > 1 else local[0]
         first = max(counts) == 1
         if compression == "none":
-            return across_processes.adasum(comm, combined, names, first=first)
-        return widened(across_processes.adasum(comm, narrowed(combined), names, first=first), combined)
-    return across_processes.tree_over_replicas(comm, local, counts, fp16=compression == "fp16")
+            return fused_adasum.adasum(comm, combined, names, first=first)
+        return widened(fused_adasum.adasum(comm, narrowed(combined), names, first=first), combined)
+    return fused_adasum.tree_over_replicas(comm, local, counts, fp16=compression == "fp16")
 
 
 @tf.autograph.experimental.do_not_convert
 def broadcast(tensors: Any, root: int = 0) -> Any:
     """Root's tensors on every rank, in the structure of `tensors`."""
     comm = init()
-    items, single = ops.as_tensor_list("broadcast", tensors)
+    items, single = as_tensor_list("broadcast", tensors)
     if not 0 <= root < comm.size:
         raise ValueError(f"root rank {root} is not a rank of this job of {comm.size} processes")
     agreement.check_same_on_all_ranks(comm, items, "broadcast")

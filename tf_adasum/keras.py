@@ -26,7 +26,6 @@ from tf_adasum import _compat, callbacks
 from tf_adasum import tensorflow as _tf
 from tf_adasum._horovod.arguments import unsupported
 from tf_adasum._horovod.compression import check_compressor
-from tf_adasum.optimizer import WrappedOptimizer
 from tf_adasum.tensorflow import (
     Adasum,
     Average,
@@ -61,6 +60,7 @@ from tf_adasum.tensorflow import (
     start_timeline,
     stop_timeline,
 )
+from tf_adasum.training.optimizer import WrappedOptimizer
 
 __all__ = [
     "Adasum",

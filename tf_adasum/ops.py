@@ -1,4 +1,4 @@
-"""The fused Adasum ops and the one loader of their compiled library.
+"""The fused Adasum ops, on TensorFlow tensors and on host buffers, and how the loaded library was built.
 
     adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
 
@@ -9,119 +9,33 @@ a whole list is one kernel launch. A single tensor is accepted too and gives a s
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
-import os
-import re
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-LIBRARY_PATH = Path(__file__).with_name("_adasum_ops.so")
-REBUILD_HINT = "run `make build` in the tf_adasum checkout (or `pip install --no-build-isolation -e .`)"
-FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+from tf_adasum.algorithm.tensor_lists import as_tensor_list, check_float_tensors, indices_by_dtype
+from tf_adasum.common import loader
+from tf_adasum.common.loader import built_with_cuda, load_library
 
-_MARKER = re.compile(rb"TF_ADASUM_BUILT_FOR_TF=([^;\x00]*);")
-_GPU_MARKER = re.compile(rb"TF_ADASUM_GPU_KERNELS=([01]);")
-GPU_BUILD_HINT = (
-    "rebuild with `TF_ADASUM_CUDA=1 pip install --no-build-isolation -e .` (or `make build-gpu`), with "
-    "TensorFlow's GPU wheel and nvcc installed"
-)
-
-
-def _library_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """`path`, else $TF_ADASUM_LIBRARY, else the library built into this package."""
-    return Path(path or os.environ.get("TF_ADASUM_LIBRARY") or LIBRARY_PATH).resolve()
-
-
-def built_with_cuda(path: str | os.PathLike[str] | None = None) -> bool:
-    """Whether the compiled ops carry GPU kernels (a TF_ADASUM_CUDA=1 build), read without loading them."""
-    library = _library_path(path)
-    match = _GPU_MARKER.search(library.read_bytes()) if library.is_file() else None
-    return bool(match and match.group(1) == b"1")
-
-
-def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
-    """Loads the compiled ops, checking that they were built for the running TensorFlow.
-
-    Args:
-        path: the shared library; default `tf_adasum/_adasum_ops.so`, or `$TF_ADASUM_LIBRARY`.
-
-    Returns:
-        The op module from `tf.load_op_library`.
-
-    Raises:
-        ImportError: the library is missing, was built for another TensorFlow, or fails to load.
-            The message names the path and how to rebuild.
-    """
-    return _load(_library_path(path))
-
-
-@functools.cache
-def _load(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise ImportError(f"tf_adasum's compiled ops are missing: {path} does not exist; {REBUILD_HINT}")
-    # Read the version marker without loading the library: a library built for another TensorFlow
-    # can fail to load with an unhelpful symbol error, or load and crash later.
-    match = _MARKER.search(path.read_bytes())
-    built_for = match.group(1).decode() if match else "an unknown version"
-    if built_for != tf.__version__:
-        raise ImportError(
-            f"{path} was built for TensorFlow {built_for} but TensorFlow {tf.__version__} is running; "
-            f"{REBUILD_HINT}"
-        )
-    try:
-        module = tf.load_op_library(str(path))
-    except tf.errors.NotFoundError as error:
-        raise ImportError(f"{path} could not be loaded ({error.message}); {REBUILD_HINT}") from error
-    forced = os.environ.get("TF_ADASUM_CPU_PATH")
-    if forced:
-        _set_cpu_path(_c_library(path), forced, "TF_ADASUM_CPU_PATH=")
-    if tf.config.list_physical_devices("GPU") and not built_with_cuda(path):
-        warnings.warn(
-            f"{path} was built without GPU kernels: the fused Adasum ops run on the CPU, and TensorFlow "
-            f"copies GPU tensors there and back; {GPU_BUILD_HINT}",
-            stacklevel=3,
-        )
-    return module
-
-
-def as_tensor_list(op: str, tensors: Any) -> tuple[list[tf.Tensor], bool]:
-    """Returns (tensors as a list, whether a single tensor was given); refuses None, naming it."""
-    single = not isinstance(tensors, (list, tuple))
-    items = [tensors] if single else list(tensors)
-    for i, t in enumerate(items):
-        if t is None:
-            raise ValueError(f"{op}: tensor {i} of {len(items)} is None (a variable without a gradient?)")
-    return [tf.convert_to_tensor(t) for t in items], single
-
-
-def check_float_tensors(op: str, tensors: Sequence[tf.Tensor], one_dtype: bool = True) -> tf.DType | None:
-    """Checks that all tensors are floating (and, with one_dtype, share a dtype); returns tensor 0's.
-
-    Raises:
-        TypeError: a non-floating dtype, or two dtypes where one is needed; the message names the tensor.
-    """
-    if not tensors:
-        return None
-    dtype = tensors[0].dtype
-    for i, t in enumerate(tensors):
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name}; Adasum needs float16, "
-                "bfloat16, float32 or float64 (use op=tf_adasum.Sum or Average for other dtypes)"
-            )
-        if one_dtype and t.dtype != dtype:
-            raise TypeError(
-                f"{op}: tensor {i} of {len(tensors)} has dtype {t.dtype.name} but tensor 0 has "
-                f"{dtype.name}; all tensors of one call must share a dtype"
-            )
-    return dtype
+__all__ = [
+    "adasum_combine",
+    "adasum_dot_norms",
+    "adasum_pair",
+    "adasum_segment_combine",
+    "adasum_segment_dot_norms",
+    "build_info",
+    "built_with_cuda",
+    "cpu_path",
+    "host_copy_norms",
+    "host_segment_combine",
+    "host_segment_dot_norms",
+    "load_library",
+    "set_cpu_path",
+    "squared_norms",
+]
 
 
 def _pairs(op: str, a_list: Any, b_list: Any) -> tuple[list[tf.Tensor], list[tf.Tensor], bool]:
@@ -227,42 +141,21 @@ def adasum_segment_combine(a: tf.Tensor, b: tf.Tensor, dot_norms: Any, bounds: A
 _HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 
-@functools.cache
-def _c_library(path: Path) -> ctypes.CDLL:
-    """The library's C entry points (the same loaded library as TensorFlow's, not a second copy)."""
-    library = ctypes.CDLL(str(path))
-    for name in ("tf_adasum_cpu_path", "tf_adasum_cpu_paths", "tf_adasum_build_info"):
-        getattr(library, name).restype = ctypes.c_char_p
-    library.tf_adasum_set_cpu_path.argtypes = [ctypes.c_char_p]
-    return library
-
-
-def _cpu_paths(library: ctypes.CDLL) -> dict[str, bool]:
-    listing = library.tf_adasum_cpu_paths().decode()
-    return {name: flag == "1" for name, flag in (entry.split(":") for entry in listing.split(","))}
-
-
-def _set_cpu_path(library: ctypes.CDLL, name: str | None, source: str = "") -> None:
-    status = library.tf_adasum_set_cpu_path(name.encode() if name else None)
-    if status == 0:
-        return
-    paths = _cpu_paths(library)
-    runnable = ", ".join(n for n, ok in paths.items() if ok)
-    if status == -1:
-        raise ValueError(
-            f"{source}{name!r}: no such CPU path in this library; it holds {', '.join(paths)}, of which this "
-            f"CPU runs {runnable}"
-        )
-    raise ValueError(
-        f"{source}{name!r}: this CPU lacks the instructions of that path; it runs {runnable} (the build "
-        "holds more paths than a CPU needs, and picks the widest it runs)"
-    )
+def squared_norms(tensors: list[Any]) -> tf.Tensor:
+    """|t|^2 of each tensor, in float64, with one fused kernel per dtype."""
+    out: list[Any] = [None] * len(tensors)
+    for index in indices_by_dtype(tensors):
+        group = [tensors[i] for i in index]
+        rows = adasum_dot_norms(group, group)[:, 1]
+        for j, i in enumerate(index):
+            out[i] = rows[j]
+    return tf.stack(out) if out else tf.zeros([0], tf.float64)
 
 
 def cpu_path() -> str:
     """The CPU path the ops run on now: "portable", "avx2", "avx512", "avx512bf16" (x86-64), or
     "custom" for a build with TF_ADASUM_ARCH_FLAGS."""
-    return str(_host_library(os.environ.get("TF_ADASUM_LIBRARY")).tf_adasum_cpu_path().decode())
+    return str(loader.host_library().tf_adasum_cpu_path().decode())
 
 
 def set_cpu_path(name: str | None) -> str:
@@ -274,9 +167,9 @@ def set_cpu_path(name: str | None) -> str:
         ValueError: the library holds no such path, or this CPU cannot run it; the message lists those
             it can.
     """
-    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
+    library = loader.host_library()
     before = library.tf_adasum_cpu_path().decode()
-    _set_cpu_path(library, name)
+    loader.set_cpu_path_of(library, name)
     return str(before)
 
 
@@ -294,31 +187,13 @@ def build_info() -> dict[str, Any]:
     Example:
         >>> tf_adasum.ops.build_info()["cpu_path"]  # "avx2" on a CPU with AVX2 and no AVX-512
     """
-    path = _library_path(os.environ.get("TF_ADASUM_LIBRARY"))
-    library = _host(path)
+    path = loader.library_path()
+    library = loader.host_library_at(path)
     info: dict[str, Any] = json.loads(library.tf_adasum_build_info().decode())
     info["cpu_path"] = library.tf_adasum_cpu_path().decode()
-    info["cpu_paths_runnable"] = _cpu_paths(library)
+    info["cpu_paths_runnable"] = loader.cpu_paths(library)
     info["library"] = str(path)
     return info
-
-
-@functools.cache
-def _host(path: Path) -> ctypes.CDLL:
-    _load(path)  # the same checks first: present, and built for this TensorFlow
-    library = _c_library(path)
-    # Every pointer (buffers, bounds, results) travels as void*; counts, dtype codes and threads as int.
-    pointer, count = ctypes.c_void_p, ctypes.c_int
-    library.tf_adasum_segment_dot_norms.argtypes = [count, pointer, pointer, pointer, count, pointer, count]
-    library.tf_adasum_copy_norms.argtypes = [count, count, pointer, pointer, pointer, pointer, pointer, count]
-    library.tf_adasum_segment_combine.argtypes = [count, *[pointer] * 5, count, count]
-    return library
-
-
-@functools.cache
-def _host_library(override: str | None) -> ctypes.CDLL:
-    # Cached per $TF_ADASUM_LIBRARY: resolving the path costs a dozen stat calls, on every host call.
-    return _host(_library_path(override))
 
 
 def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, int, np.ndarray]:
@@ -333,7 +208,7 @@ def _host_call(a: np.ndarray, b: np.ndarray, bounds: Any) -> tuple[ctypes.CDLL, 
     edges = np.ascontiguousarray(bounds, np.int64)
     if len(edges) < 1 or edges[0] != 0 or edges[-1] != len(a) or np.any(np.diff(edges) < 0):
         raise ValueError(f"bounds must run from 0 to {len(a)} without decreasing, got {edges.tolist()}")
-    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
+    library = loader.host_library()
     return library, code, edges
 
 
@@ -397,7 +272,7 @@ def host_copy_norms(
             )
     pointers = (ctypes.c_void_p * max(1, len(sources)))(*[x.ctypes.data for x in sources])
     norms = np.empty(len(sources), np.float64)
-    library = _host_library(os.environ.get("TF_ADASUM_LIBRARY"))
+    library = loader.host_library()
     library.tf_adasum_copy_norms(
         code,
         len(sources),

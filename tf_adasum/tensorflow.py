@@ -95,8 +95,7 @@ from tf_adasum._horovod.process_sets import (
     global_process_set,
     remove_process_set,
 )
-from tf_adasum.distributed import Adasum, Average, Max, Min, Product, Sum
-from tf_adasum.engine import (
+from tf_adasum.comm.engine import (
     cross_rank,
     cross_size,
     is_initialized,
@@ -106,7 +105,8 @@ from tf_adasum.engine import (
     shutdown,
     size,
 )
-from tf_adasum.sync_batch_norm import SyncBatchNormalization
+from tf_adasum.distributed import Adasum, Average, Max, Min, Product, Sum
+from tf_adasum.training.sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "Adasum",

@@ -35,8 +35,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import _compat
-
-ENV = ("HOROVOD_TIMELINE", "TF_ADASUM_TIMELINE")
+from tf_adasum.common import settings
 
 
 class _Writer:
@@ -187,7 +186,7 @@ def active() -> bool:
 def start_from_environment(rank: int, size: int) -> str | None:
     """Starts the timeline $HOROVOD_TIMELINE (or $TF_ADASUM_TIMELINE) names, with
     $HOROVOD_TIMELINE_MARK_CYCLES; returns the file, or None where neither is set."""
-    path = next((os.environ[name] for name in ENV if os.environ.get(name)), None)
+    path = settings.timeline_path()
     if path is None or _writer is not None:
         return None
     mark_cycles = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0", "false", "False")

@@ -59,8 +59,8 @@ import tensorflow as tf
 
 from tests.workers.dispatch import main
 from tf_adasum import elastic
-from tf_adasum.elastic_pool import ENV_STANDBY
-from tf_adasum.elastic_protocol import ENV_RESUME_FILE
+from tf_adasum.launch.elastic.pool import ENV_STANDBY
+from tf_adasum.launch.protocol import ENV_RESUME_FILE
 
 GLOBAL_BATCH = 12
 ROWS = 96  # 8 global batches an epoch

@@ -56,7 +56,7 @@ from tests.workers.data import (
     saved,
 )
 from tests.workers.dispatch import main
-from tf_adasum import agreement, vhdd
+from tf_adasum.algorithm import agreement, vhdd
 
 # A rank that dies of a signal (a SIGSEGV seen in about 1 of 30 runs of the weight-write checks) prints
 # every thread's Python stack into the launch's log.

@@ -74,7 +74,7 @@ def own_devices() -> list[str]:
 
 def replicas_of(strategy: Any, model: Any) -> list[np.ndarray]:
     """Every local replica's copy of every weight and optimizer variable, stacked."""
-    from tf_adasum.variables import tf_variable
+    from tf_adasum.common.variables import tf_variable
 
     return [np.stack([c.numpy() for c in strategy.experimental_local_results(tf_variable(v))])
             for v in [*model.weights, *model.optimizer.variables]]  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum.errors import HookError
+from tf_adasum.common.errors import HookError
 
 # [first, last) of the releases tf_adasum is tested with; pyproject.toml carries the same bounds.
 TESTED_TENSORFLOW = ("2.21", "2.22")

@@ -5,7 +5,8 @@
     `_serialize_to_tensors`, `_restore_from_tensors` (a trackable saved as tensors) and
     `_trackable_children` (which children a checkpoint or a SavedModel sees); and TensorFlow's
     TensorProto, which reads back a tensor that tf.io.serialize_tensor wrote, whatever its dtype.
-    AdasumOptimizer saves every replica's optimizer state through them (tf_adasum.replica_state).
+    AdasumOptimizer saves every replica's optimizer state through them
+    (tf_adasum.training.replica_optimizer_state).
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class _Graveyard:
 
     def __init__(self) -> None:
         self._start()
-        # A warm process forked by the elastic launcher's fork server (tf_adasum/elastic_forkserver.py)
+        # A warm process forked by the elastic launcher's fork server (tf_adasum/elastic/forkserver.py)
         # has none of its parent's threads: it starts its own.
         os.register_at_fork(after_in_child=self._start)
         # Before the interpreter ends: a daemon thread still inside a destructor then is cut off in

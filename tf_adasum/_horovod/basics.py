@@ -8,8 +8,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import engine, ops, timeline
+from tf_adasum import ops, timeline
 from tf_adasum._horovod.arguments import unsupported
+from tf_adasum.comm import engine
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum.compression import narrows
+from tf_adasum.algorithm.compression import narrows
 
 
 class NoneCompressor:

@@ -10,8 +10,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import agreement, engine, shared_state
 from tf_adasum._horovod.arguments import unsupported
+from tf_adasum.algorithm import agreement
+from tf_adasum.comm import engine
+from tf_adasum.training import keras_consensus
 
 
 def broadcast_variables(
@@ -19,7 +21,7 @@ def broadcast_variables(
 ) -> None:
     """Assigns rank `root_rank`'s values to `variables` (Keras or TensorFlow) on every process."""
     unsupported("broadcast_variables", process_set=(process_set, None))
-    shared_state.broadcast_variables(list(variables), root_rank)
+    keras_consensus.broadcast_variables(list(variables), root_rank)
 
 
 def _check_root(where: str, root_rank: int, size: int) -> None:

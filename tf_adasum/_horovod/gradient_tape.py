@@ -7,12 +7,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_adasum import distributed, engine
+from tf_adasum import distributed
 from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsupported
 from tf_adasum._horovod.compression import Compression
 from tf_adasum._horovod.mpi_ops import grouped_allreduce
+from tf_adasum.comm import engine
+from tf_adasum.common.variables import tf_variable
 from tf_adasum.distributed import Average, Sum
-from tf_adasum.variables import tf_variable
 
 
 class DistributedGradientTape:

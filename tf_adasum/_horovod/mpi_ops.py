@@ -10,13 +10,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import agreement, distributed, engine
+from tf_adasum import distributed
 from tf_adasum._horovod.arguments import reduce_op, unsupported
 from tf_adasum._horovod.compression import Compression
+from tf_adasum.algorithm import agreement
+from tf_adasum.algorithm.tensor_lists import dense, first_mismatch, tensor_specs
+from tf_adasum.comm import engine
 from tf_adasum.comm.base import Communicator
+from tf_adasum.common.variables import tf_variable
 from tf_adasum.distributed import Average, Sum
-from tf_adasum.tensor_lists import dense, first_mismatch, tensor_specs
-from tf_adasum.variables import tf_variable
 
 
 def _scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:

@@ -8,12 +8,14 @@ from typing import Any
 
 import keras
 
-from tf_adasum import distributed, engine, sync
+from tf_adasum import distributed
 from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsupported
 from tf_adasum._horovod.compression import Compression, check_compressor
-from tf_adasum.allreduce_optimizer import AllreduceOptimizer
+from tf_adasum.comm import engine
 from tf_adasum.distributed import Adasum, Average
-from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.training import model_sync
+from tf_adasum.training.allreduce_optimizer import AllreduceOptimizer
+from tf_adasum.training.optimizer import AdasumOptimizer
 
 
 def DistributedOptimizer(
@@ -70,7 +72,7 @@ def DistributedOptimizer(
     check_compressor(where, compression)
     chosen = distributed.ReduceOp(op)
     groups = groups_argument(where, num_groups, groups)
-    sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
+    model_sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
     engine.init()
     if chosen is Adasum:
         if groups:

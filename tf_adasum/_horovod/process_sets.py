@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tf_adasum import engine
+from tf_adasum.comm import engine
 
 
 class ProcessSet:

@@ -7,10 +7,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import _compat, distributed, sync
+from tf_adasum import _compat, distributed
 from tf_adasum.callbacks.batches import CountsBatches, retrace_with, retrace_without
-from tf_adasum.shared_state import agree_at_epoch_end, broadcast_model_and_optimizer, check_equal_steps
-from tf_adasum.variables import tf_variable
+from tf_adasum.common.variables import tf_variable
+from tf_adasum.training import model_sync
+from tf_adasum.training.keras_consensus import (
+    agree_at_epoch_end,
+    broadcast_model_and_optimizer,
+    check_equal_steps,
+)
 
 
 class AdasumCallback(CountsBatches):
@@ -55,7 +60,7 @@ class AdasumCallback(CountsBatches):
 
     def __init__(self, sync_every: int = 1, root: int = 0) -> None:
         super().__init__()
-        sync.check_sync_every(sync_every)
+        model_sync.check_sync_every(sync_every)
         # Mixed precision's skip decision must be global, and errors inside steps translated.
         _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step")
         if not isinstance(root, int) or root < 0:
@@ -73,9 +78,9 @@ class AdasumCallback(CountsBatches):
                 f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
             )
         stepping = _compat.loss_scale_inner(optimizer)  # under mixed_float16, inside a LossScaleOptimizer
-        if sync.extended_by_callback(stepping):
+        if model_sync.extended_by_callback(stepping):
             del stepping.apply  # left by a fit that raised before on_train_end could restore it
-        if sync.syncs(stepping):
+        if model_sync.syncs(stepping):
             raise ValueError(
                 f"the model's optimizer is already a {type(stepping).__name__}, which combines across "
                 "processes itself: use either it or AdasumCallback, not both"
@@ -91,8 +96,8 @@ class AdasumCallback(CountsBatches):
             )
         if not optimizer.built:
             optimizer.build(variables)
-        # The window's anchors (sync.start_window) and, with sync_every > 1, the weights as the last step
-        # left them, outside the optimizer so that it saves as the user's own. Each fit starts a window
+        # The window's anchors (model_sync.start_window) and, with sync_every > 1, the weights as the last
+        # step left them, outside the optimizer so that it saves as the user's own. Each fit starts a window
         # at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
         self._anchors = [
             tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
@@ -110,13 +115,13 @@ class AdasumCallback(CountsBatches):
         every, distribution = self.sync_every, tf.distribute.get_strategy()
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
-            sync.start_window(variables, anchors, stepping.iterations, every, lasts)
+            model_sync.start_window(variables, anchors, stepping.iterations, every, lasts)
             local_step(grads, trainable_variables)
-            stats = sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
-            sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
-            sync.record_lasts(variables, lasts)
+            stats = model_sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
+            model_sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
+            model_sync.record_lasts(variables, lasts)
 
-        setattr(apply_then_sync, sync.SYNCS, True)
+        setattr(apply_then_sync, model_sync.SYNCS, True)
         stepping.apply = apply_then_sync
         self._optimizer = stepping
         self._started = False

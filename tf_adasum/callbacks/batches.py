@@ -8,7 +8,7 @@ from typing import Any
 
 import keras
 
-from tf_adasum.shared_state import forget_agreed_epochs
+from tf_adasum.training.keras_consensus import forget_agreed_epochs
 
 
 def retrace_with(model: keras.Model) -> None:

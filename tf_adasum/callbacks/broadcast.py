@@ -7,8 +7,8 @@ from typing import Any
 import keras
 
 from tf_adasum._horovod.arguments import unsupported
-from tf_adasum.optimizer import AdasumOptimizer
-from tf_adasum.shared_state import broadcast_model_and_optimizer, check_equal_steps
+from tf_adasum.training.keras_consensus import broadcast_model_and_optimizer, check_equal_steps
+from tf_adasum.training.optimizer import AdasumOptimizer
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

@@ -6,7 +6,7 @@ from typing import Any
 
 from tf_adasum._horovod.arguments import unsupported
 from tf_adasum.callbacks.batches import CountsBatches
-from tf_adasum.shared_state import agree_at_epoch_end, average_logs
+from tf_adasum.training.keras_consensus import agree_at_epoch_end, average_logs
 
 
 class MetricAverageCallback(CountsBatches):

@@ -8,8 +8,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_adasum import _compat, agreement, distributed, sync
+from tf_adasum import _compat, distributed
+from tf_adasum.algorithm import agreement
 from tf_adasum.callbacks.batches import retrace_with, retrace_without
+from tf_adasum.training import model_sync
 
 
 class OrthogonalityMonitor(keras.callbacks.Callback):
@@ -41,7 +43,7 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
 
     def __init__(self, every: int = 100) -> None:
         super().__init__()
-        self.every = sync.check_positive_integer("every", every)
+        self.every = model_sync.check_positive_integer("every", every)
         self.history: list[tuple[int, dict[str, float]]] = []
         self._stats: Any = None
         self._optimizer: Any = None
@@ -58,8 +60,8 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
             )
         self._optimizer = _compat.loss_scale_inner(model.optimizer)
         with model.distribute_strategy.scope():
-            self._stats = sync.SyncStats(list(model.trainable_variables))
-        sync.enable_sync_stats(self._optimizer, self._stats)
+            self._stats = model_sync.SyncStats(list(model.trainable_variables))
+        model_sync.enable_sync_stats(self._optimizer, self._stats)
         retrace_with(model)  # one traced before would not record
         self._next = (int(model.optimizer.iterations.numpy()) // self.every + 1) * self.every
 
@@ -101,6 +103,6 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._optimizer is not None:
-            sync.enable_sync_stats(self._optimizer, None)
+            model_sync.enable_sync_stats(self._optimizer, None)
             retrace_without(self.model)
             self._optimizer = None

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.errors import PeerError, cause, how_lost
+from tf_adasum.common.errors import PeerError, cause, how_lost
 
 
 class Communicator(abc.ABC):
@@ -92,6 +92,36 @@ class Communicator(abc.ABC):
     # agreement's codes with its data.
     codes_in_gathers = False
 
+    # Whether one all-gather may beat VHDD on a small buffer (vhdd.algorithm): where every collective
+    # costs the runtime a launch of its own (the TF engine). On host memory VHDD is as fast at 1 MB.
+    gathers_small_buffers = False
+
+    # Whether the runtime matches collectives by key and checks their type and shape itself, so that
+    # agreement.check_same_on_all_ranks has nothing to add (a host transport matches by order alone).
+    matches_collectives_by_key = True
+
+    # Whether the survivors of a lost peer live on to start the next group of an elastic job (not under
+    # MPI, where mpirun kills them with the lost rank).
+    survives_lost_peers = True
+
+    @abc.abstractmethod
+    def adasum_groups(
+        self,
+        tensors: Sequence[tf.Tensor],
+        indices: list[list[int]],
+        names: Sequence[str] | None,
+        metadata: int,
+        first: bool,
+    ) -> list[tf.Tensor]:
+        """Adasum of every rank's `tensors` by the contract tree, the tensors of each dtype (`indices`)
+        fused into one buffer, on this engine's own path: the agreement first, then the algorithm
+        (algorithm/fused_adasum.py says what every path must do, and gives the same bits).
+        `metadata`: the tensors' fingerprint, or 0; `first`: this is the sync's first collective."""
+
+    def allgather_buffer(self, buffer: tf.Tensor) -> tf.Tensor:
+        """Every rank's 1-D buffer, [size, len], in rank order: the tree over replicas' gather."""
+        return self.allgather(buffer)
+
     # Whether eager Adasum runs as a compiled function per signature (distributed.allreduce): for an
     # engine whose every collective is a TensorFlow op, so that eagerly each would be dispatched alone.
     compiles_eager_syncs = False
@@ -131,6 +161,8 @@ class HostCommunicator(Communicator):
     process's host calls in program order, and agreement.announce checks before each collective that
     every rank is at the same one.
     """
+
+    matches_collectives_by_key = False
 
     @abc.abstractmethod
     def host_call(
@@ -188,3 +220,13 @@ class SingleProcessCommunicator(Communicator):
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         return [obj]
+
+    def adasum_groups(
+        self,
+        tensors: Sequence[tf.Tensor],
+        indices: list[list[int]],
+        names: Sequence[str] | None,
+        metadata: int,
+        first: bool,
+    ) -> list[tf.Tensor]:
+        return list(tensors)  # the tree over one leaf

@@ -16,8 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, timeline
+from tf_adasum.algorithm import on_host
 from tf_adasum.comm.base import HostCommunicator
-from tf_adasum.errors import PeerError, timeout_seconds
+from tf_adasum.common.errors import PeerError, timeout_seconds
 
 # Open MPI moves shared-memory fragments only inside MPI calls, so a large exchange with a rank on this
 # host progresses only as fast as it is polled: poll without sleeping (yielding the core, for
@@ -36,6 +37,7 @@ class MPICommunicator(HostCommunicator):
     """MPI.COMM_WORLD, with one sub-communicator per block of the Adasum tree."""
 
     engine = "mpi"
+    survives_lost_peers = False
 
     def __init__(self) -> None:
         try:
@@ -301,6 +303,19 @@ class MPICommunicator(HostCommunicator):
 
         self._poll(all_arrived, what, lambda: f"rank(s) {sorted(set(requests) - set(received))}")
         return received
+
+    def adasum_groups(
+        self,
+        tensors: Sequence[tf.Tensor],
+        indices: list[list[int]],
+        names: Sequence[str] | None,
+        metadata: int,
+        first: bool,
+    ) -> list[tf.Tensor]:
+        return on_host.adasum_groups(self, tensors, indices, names, metadata, first)
+
+    def allgather_buffer(self, buffer: tf.Tensor) -> tf.Tensor:
+        return on_host.allgather_buffer(self, buffer)
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         # Through rank 0, point to point, so a timeout can say exactly which rank never arrived.

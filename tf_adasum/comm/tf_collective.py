@@ -36,8 +36,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, timeline
+from tf_adasum.algorithm import in_graph
 from tf_adasum.comm.base import Communicator
-from tf_adasum.errors import LOST_PEER, PeerError, timeout_seconds
+from tf_adasum.common.errors import LOST_PEER, PeerError, timeout_seconds
 
 
 def _group_key(members: Sequence[int | str]) -> int:
@@ -123,6 +124,7 @@ class TFCollectiveCommunicator(Communicator):
     engine = "tf"
     codes_in_gathers = True
     compiles_eager_syncs = True
+    gathers_small_buffers = True
     # Keys of one signature's function: a range of this many per group, above the counted keys. A
     # pipelined VHDD (vhdd.pipelined_tensors) takes up to 3 a chunk for one pair of ranks, 8 chunks a
     # buffer, a buffer per dtype; a buffer of one chunk up to 10 (its gather in 8 parts).
@@ -447,6 +449,16 @@ class TFCollectiveCommunicator(Communicator):
         if width == 3:  # float64: one element per code, and bitcast keeps the shape
             table = tf.reshape(table, [self.size, 3])
         return table, stacked[:, width:]
+
+    def adasum_groups(
+        self,
+        tensors: Sequence[tf.Tensor],
+        indices: list[list[int]],
+        names: Sequence[str] | None,
+        metadata: int,
+        first: bool,
+    ) -> list[tf.Tensor]:
+        return in_graph.adasum_groups(self, tensors, indices, names, metadata, first)
 
     def allgather_object(self, obj: Any, what: str) -> list[Any]:
         with tf.init_scope():  # eager even while a tf.function is being traced

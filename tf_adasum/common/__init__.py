@@ -1,0 +1,1 @@
+"""The bottom layer: errors, settings from the environment, Keras variables, the quiet start."""
