@@ -2,7 +2,7 @@
 
 `pip install .`, `pip install -e .` and `pip wheel .` all run this. The library does not depend on the
 CPU it is built on:
-- the TensorFlow adapter (kernels/adasum_ops.cc, the one file that includes TensorFlow's headers)
+- the TensorFlow adapter (kernels/adasum_ops.cc and adasum_kernels.cc, which include TensorFlow's headers)
   compiles with TensorFlow's own flags from `tf.sysconfig` and no instruction-set flag, so no
   host-specific option reaches TensorFlow's bundled Eigen;
 - the hot loops (kernels/adasum_cpu_path.cc) compile once per CPU path, each with its own -m flags,
@@ -46,9 +46,10 @@ KERNELS = ROOT / "kernels"
 LIBRARY = "tf_adasum/_adasum_ops.so"
 # TensorFlow-free, built for the architecture's baseline: blocks, threads, the choice of path, and the
 # C entry points the MPI engine calls through ctypes.
-CORE_SOURCES = ["adasum_cpu.cc", "adasum_host.cc"]
+CORE_SOURCES = ["adasum_cpu.cc", "adasum_c_api.cc"]
 PATH_SOURCE = "adasum_cpu_path.cc"
-ADAPTER_SOURCE = "adasum_ops.cc"
+# The TensorFlow adapter: the ops (registration and shape functions), and their kernels.
+ADAPTER_SOURCES = ["adasum_ops.cc", "adasum_kernels.cc"]
 CUDA_SOURCE = "adasum_cuda.cu"
 CUDA_ARCHS = (
     "-gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 "
@@ -233,10 +234,9 @@ def plan_build(
     if nvcc:
         # Eigen includes cuda_runtime.h itself; TensorFlow's GPU wheel carries CUDA's headers here.
         adapter += ["-DGOOGLE_CUDA=1", *[f"-I{d}/third_party/gpus/cuda/include" for d in tf.include_dirs]]
-    obj = str(build_dir / "adasum_ops.o")
-    steps.append(
-        Step(f"kernels/{ADAPTER_SOURCE}", [*adapter, "-c", str(KERNELS / ADAPTER_SOURCE), "-o", obj], obj)
-    )
+    for source in ADAPTER_SOURCES:
+        obj = str(build_dir / (Path(source).stem + ".o"))
+        steps.append(Step(f"kernels/{source}", [*adapter, "-c", str(KERNELS / source), "-o", obj], obj))
     link_cuda: list[str] = []
     if nvcc:
         obj = str(build_dir / "adasum_cuda.o")
@@ -388,7 +388,7 @@ def build_library(
                 raise RuntimeError(
                     f"{step.source} defines weak symbols, which the linker could merge with another path's "
                     f"copy so that one path runs another's instructions: {weak[:5]}; give them internal "
-                    "linkage (kernels/adasum_cpu_paths.h)"
+                    "linkage (kernels/adasum_cpu_path.h)"
                 )
         log.write(shlex.join(plan.link) + "\n")
         log.flush()
@@ -444,7 +444,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         ext_modules=[
             Extension(
                 "tf_adasum._adasum_ops",
-                sources=[f"kernels/{s}" for s in [*CORE_SOURCES, PATH_SOURCE, ADAPTER_SOURCE]],
+                sources=[f"kernels/{s}" for s in [*CORE_SOURCES, PATH_SOURCE, *ADAPTER_SOURCES]],
             )
         ],
         cmdclass={"build_ext": BuildAdasumOps, "bdist_wheel": PlatformWheel},

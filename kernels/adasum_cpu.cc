@@ -3,7 +3,7 @@
 //
 // This file is built for the architecture's baseline. It cuts the work into fixed blocks, runs them on
 // threads, adds the blocks' partial sums in block order, and calls the hot loops of the CPU path chosen
-// at run time (kernels/adasum_cpu_paths.h): the widest instruction set this CPU has, or the one that
+// at run time (kernels/adasum_cpu_path.h): the widest instruction set this CPU has, or the one that
 // $TF_ADASUM_CPU_PATH or tf_adasum_set_cpu_path names.
 #include <algorithm>
 #include <atomic>
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "adasum_core.h"
-#include "adasum_cpu_paths.h"
+#include "adasum_cpu_path.h"
 #include "adasum_dtypes.h"
 
 #if defined(__SSE__)

@@ -1,8 +1,8 @@
-// The hot loops of the CPU core over one contiguous span, for one CPU path (kernels/adasum_cpu_paths.h).
+// The hot loops of the CPU core over one contiguous span, for one CPU path (kernels/adasum_cpu_path.h).
 //
 // setup.py compiles this file once per path with -DADASUM_CPU_PATH=<name> and the path's -m flags; the
 // intrinsics below are chosen by what those flags enable. Everything here has internal linkage but the
-// path's table, so no path's code can stand in for another's (see adasum_cpu_paths.h). No TensorFlow
+// path's table, so no path's code can stand in for another's (see adasum_cpu_path.h). No TensorFlow
 // header, and no library call but memcpy.
 //
 // The bits do not depend on the path. Sums of products are accumulated in eight float64 lanes in a
@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "adasum_core.h"
-#include "adasum_cpu_paths.h"
+#include "adasum_cpu_path.h"
 
 #if defined(__SSE2__)
 #include <immintrin.h>

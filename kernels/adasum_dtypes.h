@@ -1,5 +1,5 @@
 /* The dtype codes of tf_adasum's C entry points, in one place: the CUDA launchers (adasum_cuda.h), the
- * host entry points (adasum_host.cc, which tf_adasum/ops.py calls through ctypes) and the TensorFlow
+ * host entry points (adasum_c_api.cc, which tf_adasum/ops.py calls through ctypes) and the TensorFlow
  * adapter's GPU kernels all take these. Plain C with no other header, so nvcc, g++ and any C caller can
  * include it. Python mirrors them in tf_adasum/ops.py (tests/test_ops.py checks the two agree), and
  * tests/gpu/test_cuda.py reads them from this file. */

@@ -61,7 +61,7 @@ def adasum_dot_norms(a_list: Any, b_list: Any) -> tf.Tensor:
         ValueError / InvalidArgumentError: the lists do not pair up in length or shape.
         TypeError: integer or mixed dtypes.
 
-    Example:
+    Examples:
         >>> tf_adasum.ops.adasum_dot_norms([tf.ones(3)], [tf.ones(3)])  # [[3., 3., 3.]]
     """
     a, b, _ = _pairs("adasum_dot_norms", a_list, b_list)
@@ -98,7 +98,7 @@ def adasum_combine(a_list: Any, b_list: Any, dot_norms: Any) -> Any:
 def adasum_pair(a_list: Any, b_list: Any) -> Any:
     """Adasum of two replicas' tensors, per tensor: `adasum_combine(a, b, adasum_dot_norms(a, b))`.
 
-    Example:
+    Examples:
         >>> tf_adasum.ops.adasum_pair([tf.constant([1.0, 0.0])], [tf.constant([0.0, 1.0])])  # [[1., 1.]]
     """
     a, b, single = _pairs("adasum_pair", a_list, b_list)
@@ -135,7 +135,7 @@ def adasum_segment_combine(a: tf.Tensor, b: tf.Tensor, dot_norms: Any, bounds: A
     )
 
 
-# The same core over numpy buffers, through C entry points of the same library (kernels/adasum_host.cc):
+# The same core over numpy buffers, through C entry points of the same library (kernels/adasum_c_api.cc):
 # the MPI engine runs the whole distributed algorithm on host buffers, with no TensorFlow op per step.
 # The codes of kernels/adasum_dtypes.h (tests/test_ops.py checks that they agree).
 _HOST_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
@@ -184,7 +184,7 @@ def build_info() -> dict[str, Any]:
         "cpu_path" (the path in use), "cpu_paths_runnable" (which paths this CPU runs), "library" (the
         file).
 
-    Example:
+    Examples:
         >>> tf_adasum.ops.build_info()["cpu_path"]  # "avx2" on a CPU with AVX2 and no AVX-512
     """
     path = loader.library_path()

@@ -9,8 +9,8 @@
 //
 // A path's object defines no weak symbol: an inline function compiled with AVX-512 in it, merged by the
 // linker with the baseline's copy, could be the one every path calls. setup.py checks this with nm.
-#ifndef TF_ADASUM_KERNELS_ADASUM_CPU_PATHS_H_
-#define TF_ADASUM_KERNELS_ADASUM_CPU_PATHS_H_
+#ifndef TF_ADASUM_KERNELS_ADASUM_CPU_PATH_H_
+#define TF_ADASUM_KERNELS_ADASUM_CPU_PATH_H_
 
 #include <cstdint>
 
@@ -45,4 +45,4 @@ extern const CpuPath avx512bf16;  // and AVX512_BF16's float32 -> bfloat16 conve
 
 }  // namespace adasum
 
-#endif  // TF_ADASUM_KERNELS_ADASUM_CPU_PATHS_H_
+#endif  // TF_ADASUM_KERNELS_ADASUM_CPU_PATH_H_
