@@ -28,9 +28,13 @@ def adasum_groups(
     buffer: agree, then combine each buffer by the algorithm its size calls for (see
     fused_adasum.adasum)."""
     groups = [fusion.fuse(tensors, index) for index in indices]
-    code = agreement.first_nonfinite_in_buffers(
-        [(index, group.buffer, group.starts) for index, group in zip(indices, groups, strict=True)]
-    )
+    code: tf.Tensor | int
+    if groups:
+        code = agreement.first_nonfinite_in_buffers(
+            [(index, group.buffer, group.starts) for index, group in zip(indices, groups, strict=True)]
+        )
+    else:  # nothing to combine: the agreement still runs, so every rank meets at this sync
+        code = agreement.first_nonfinite_of_norms(indices, [])
     eager = tf.executing_eagerly()
     if not eager and first and comm.codes_in_gathers:
         if len(groups) == 1 and groups[0].starts[-1] and algorithm(comm, groups[0].nbytes).name == "gather":
