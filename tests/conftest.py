@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
+from tests.support.users import shared  # noqa: F401 (a fixture: a folder another user can write in)
+
 # Four logical CPUs, as MirroredStrategy-style tests use in place of GPUs. This must happen before
 # TensorFlow creates its devices, so here, before any test module runs an op.
 tf.config.set_logical_device_configuration(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import oracle
+from tests.support import oracle
 from tf_adasum.algorithm import vhdd
 from tf_adasum.algorithm.tree import fold_size
 from tf_adasum.common import settings

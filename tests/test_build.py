@@ -23,7 +23,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests.cases import COEFFICIENTS, coefficient_row, every_exponent
+from tests.support.cases import COEFFICIENTS, coefficient_row, every_exponent
 from tf_adasum import ops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_a_portable_failure_names_the_file_and_where(tmp_path: Path) -> None:
 
 
 def _core_objects(compiler: list[str], folder: Path, machine: str, extra: list[str]) -> list[str]:
-    """Compiles the TensorFlow-free core (kernels/adasum_cpu.cc, adasum_host.cc, every path for the
+    """Compiles the TensorFlow-free core (kernels/adasum_cpu.cc, adasum_c_api.cc, every path for the
     machine) with the build's own flags; returns the objects."""
     objects = []
     sources = [(source, []) for source in setup.CORE_SOURCES]

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_adasum
 import tf_adasum.keras as hvd
 import tf_adasum.tensorflow
-from tests.test_training import build_linear, cpus, make_inner, problem
+from tests.support.training import build_linear, cpus, make_inner, problem
 from tf_adasum import distributed
 from tf_adasum.algorithm import agreement
 from tf_adasum.comm import engine
@@ -400,7 +400,7 @@ def test_gradient_accumulation_follows_horovods_formula(k: int, average: bool) -
     # average_aggregated_gradients), all-reduced once, applied at every k-th pass; the iteration count
     # moves at every pass, so Adam's bias correction counts passes. One process here; across processes
     # in test_existing_scripts.py.
-    from tests.test_training import Replica, mse_grads
+    from tests.support.training import Replica, mse_grads
 
     x, y, w, b = problem()
     optimizer = hvd.DistributedOptimizer(

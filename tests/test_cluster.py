@@ -2,7 +2,7 @@
 (scripts/cluster.py), the jobs started as across machines (mpirun through a launch agent in ssh's
 place; `python -m tf_adasum.run -H host:slots`), both engines talking over the links.
 
-Every launch is bounded (tests/processes.py); the clusters are made and removed by the tests. Without
+Every launch is bounded (tests/support/processes.py); the clusters are made and removed by the tests. Without
 root (CAP_NET_ADMIN) every test here skips, saying why.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import processes
-from tests.processes import log_tail
+from tests.support import processes
+from tests.support.processes import log_tail
 
 sys.path.insert(0, str(processes.ROOT / "scripts"))
 import cluster
@@ -77,13 +77,8 @@ def test_fit_across_two_hosts_equals_the_simulation(
 ) -> None:
     """AdasumStrategy with its default devices (the crash), a process alone on its host or one of two;
     with one each, also the plain Keras scripts under AdasumCallback and the Horovod example."""
-    from tests.test_existing_scripts import (
-        CALLBACK_MODES,
-        HOROVOD_MODES,
-        check_callback_run,
-        check_horovod_run,
-    )
-    from tests.test_training import simulate
+    from tests.support.scripts import CALLBACK_MODES, HOROVOD_MODES, check_callback_run, check_horovod_run
+    from tests.support.training import simulate
 
     p = 2 * per_host
     modes = f"strategy,{CALLBACK_MODES},{HOROVOD_MODES}" if per_host == 1 else "strategy"
@@ -254,8 +249,8 @@ def test_an_elastic_job_grows_onto_a_host_and_goes_on_without_it(tmp_path: Path)
     the last group finds its host's commits gone and resumes from the launcher's copy; and a new job
     resumes from the launcher's copies alone, the hosts' own files deleted, to the same weights."""
     require_cluster()
-    from tests.test_elastic import WORKER as ELASTIC_WORKER
-    from tests.test_elastic import assert_same_on_every_rank, read, weights
+    from tests.support.elastic import WORKER as ELASTIC_WORKER
+    from tests.support.elastic import assert_same_on_every_rank, read, weights
 
     marker = f"tf-adasum-test-secret-{os.getpid()}-{time.time_ns()}"
     seen: list[str] = []

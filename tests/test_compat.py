@@ -24,7 +24,7 @@ from tensorflow.python.eager import context as eager_context
 from tensorflow.python.profiler import trace as profiler_trace
 
 import tf_adasum
-from tests.test_training import build_linear, cpus, make_inner, problem
+from tests.support.training import build_linear, cpus, make_inner, problem
 from tf_adasum import _compat
 from tf_adasum._compat import numpy_views
 

@@ -1,9 +1,8 @@
-"""benchmarks/convergence.py: its vectorised replicas are the real strategies, step for step, and its
+"""benchmarks/studies/convergence.py: its vectorised replicas are the real strategies, step for step, and its
 smoke run goes end to end."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,12 +12,12 @@ import pytest
 import tensorflow as tf
 
 import tf_adasum
-from tests.test_training import cpus
+from tests.support.studies import STUDIES, smoke
+from tests.support.training import cpus
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(STUDIES))
 
-import convergence  # noqa: E402
+import convergence
 
 STEPS = 3
 
@@ -79,14 +78,6 @@ def test_the_vectorised_replicas_equal_the_strategy_step_for_step(
                 )
     # ... and the steps moved the weights: the comparison is not between two untouched models.
     assert not np.allclose(history[-1][0], start[0])
-
-
-def smoke(out: Path, script: str = "convergence.py", *flags: str) -> subprocess.CompletedProcess[str]:
-    """Runs benchmarks/`script` --smoke, writing under `out`; checks that it succeeded."""
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *flags]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
 
 
 @pytest.mark.slow

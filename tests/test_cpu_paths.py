@@ -1,4 +1,4 @@
-"""The CPU paths of the op library (kernels/adasum_cpu_paths.h): each one this CPU runs, forced in turn,
+"""The CPU paths of the op library (kernels/adasum_cpu_path.h): each one this CPU runs, forced in turn,
 gives the same bits as every other, in the four dtypes, on subnormals, every exponent and 1e±20
 scales; the library picks the widest path the CPU runs, as /proc/cpuinfo tells it; and a path the CPU
 cannot run is refused by name.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.cases import CASES, COEFFICIENTS, NUMPY_TYPES, Case, coefficient_row, every_exponent
+from tests.support.cases import CASES, COEFFICIENTS, NUMPY_TYPES, Case, coefficient_row, every_exponent
 from tf_adasum import ops
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]

@@ -186,7 +186,7 @@ def module_of(path: str) -> str:
 
 
 def test_the_design_page_shows_the_floors_of_test_layers() -> None:
-    from tests.test_layers import FLOORS
+    from tests.support.floors import FLOORS
 
     text = (ROOT / "docs" / "design.md").read_text()
     shown = {

@@ -13,7 +13,6 @@ import pickle
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,84 +21,26 @@ import numpy as np
 import pytest
 
 import tf_adasum
-from tests.processes import ROOT
+from tests.support.elastic import (
+    LAUNCH_TIMEOUT,
+    PEER_TIMEOUT,
+    WORKER,
+    assert_same_on_every_rank,
+    commits_in,
+    committed_optimizer,
+    launch,
+    read,
+    tail,
+    weights,
+)
+from tests.support.processes import ROOT
 from tf_adasum import elastic
-from tf_adasum.elastic.state import read_commits
-from tf_adasum.launch.elastic.commits import KEY_FILE, read_key
 from tf_adasum.launch.elastic.driver import elastic_launch
 from tf_adasum.launch.protocol import RESTART_EXIT_CODE
 from tf_adasum.launch.settings import ElasticSettings
 
 # Times detection and recovery: `make test` runs it after the rest, alone on the machine.
 pytestmark = pytest.mark.alone
-
-WORKER = ["-m", "tests.workers.elastic"]
-LAUNCH_TIMEOUT = 240
-PEER_TIMEOUT = "15"
-
-
-def launch(
-    out: Path,
-    mode: str,
-    np_: int,
-    *flags: str,
-    env: dict[str, str] | None = None,
-    timeout: float = LAUNCH_TIMEOUT,
-) -> tuple[int, str, float]:
-    """Runs the worker elastically; returns (exit code, the launcher's and workers' output, seconds)."""
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "tf_adasum.run", "--elastic", "-np", str(np_),
-        "--timeout", str(timeout - 20),
-        "--state-dir", str(out / "state"), *flags, *WORKER, str(out), mode,
-    ]  # fmt: skip
-    environ = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        TF_ADASUM_TIMEOUT_SECONDS=PEER_TIMEOUT,
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONFAULTHANDLER="1",  # a worker that dies of a signal prints its threads' stacks
-        **(env or {}),
-    )
-    started = time.monotonic()
-    done = subprocess.run(
-        command, cwd=out, env=environ, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    log = done.stdout + done.stderr
-    (out / "output.log").write_text(log)
-    return done.returncode, log, time.monotonic() - started
-
-
-def tail(log: str) -> str:
-    lines = [line for line in log.splitlines() if "oneDNN" not in line and "absl::" not in line]
-    return "\n".join(lines[-40:])
-
-
-def read(out: Path, name: str, size: int) -> list[dict]:
-    return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(size)]
-
-
-def weights(out: Path, size: int) -> list[list[np.ndarray]]:
-    loaded = [np.load(out / f"final-rank{r}.npz") for r in range(size)]
-    return [[f[k] for k in sorted(f.files)] for f in loaded]
-
-
-def assert_same_on_every_rank(found: list[list[np.ndarray]]) -> None:
-    for other in found[1:]:
-        for a, b in zip(found[0], other, strict=True):
-            np.testing.assert_array_equal(a, b)
-
-
-def commits_in(path: Path) -> dict[int, Any]:
-    """The commits in a state file (STATE_DIR/group<g>/... or STATE_DIR/job/group<g>/...), checked under
-    the job's key, which lies in STATE_DIR/job."""
-    state_dir = next(p for p in path.parents if (p / "job" / KEY_FILE).exists())
-    return read_commits(path.read_bytes(), read_key(str(state_dir / "job")), str(path))
-
-
-def committed_optimizer(path: Path, commit: int) -> list[float]:
-    """The optimizer digest (tests/workers/elastic.py's record) of a commit in a survivor's state file."""
-    return [float(np.sum(np.abs(parts[0]))) for parts in commits_in(path)[commit]["optimizer"]]
 
 
 # Multi-process tests.
@@ -408,9 +349,9 @@ def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_elastic_benchmark_smoke_run_goes_end_to_end(tmp_path: Path) -> None:
-    """benchmarks/elastic.py --smoke: a 3 -> 2 -> 3 job and the commit cost, with its tables and plot."""
+    """benchmarks/studies/elastic.py --smoke: a 3 -> 2 -> 3 job and the commit cost, its tables and plot."""
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "elastic.py"), "--smoke",
+        sys.executable, str(ROOT / "benchmarks" / "studies" / "elastic.py"), "--smoke",
         "--out", str(tmp_path / "out"), "--data", str(tmp_path / "digits.npz"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, check=False)

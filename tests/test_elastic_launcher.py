@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.processes import ROOT
-from tests.test_private_files import as_nobody, as_root, shared  # noqa: F401 (a fixture)
+from tests.support.processes import ROOT
+from tests.support.users import as_nobody, as_root
 from tf_adasum.launch.elastic.commits import KEY_FILE
 from tf_adasum.launch.secret import new_secret, seal
 
@@ -83,7 +83,7 @@ def test_the_default_state_folder_is_new_private_and_named(tmp_path: Path) -> No
 
 
 @as_root
-def test_a_state_folder_another_user_can_write_is_refused_before_anything_starts(shared: Path) -> None:  # noqa: F811
+def test_a_state_folder_another_user_can_write_is_refused_before_anything_starts(shared: Path) -> None:
     as_nobody(
         lambda: os.mkdir(shared / "tf_adasum_elastic", 0o777) or os.chmod(shared / "tf_adasum_elastic", 0o777)
     )

@@ -1,6 +1,7 @@
-"""The elastic launcher's services and its pool of warm processes, each on its own (tf_adasum/
-elastic_protocol.py, tf_adasum/launch/elastic/pool.py): they answer only holders of the job's key, listen no
-wider than asked, and a warm process runs a script as a cold one would."""
+"""The elastic launcher's services and its pool of warm processes, each on its own
+(tf_adasum/launch/protocol.py, launch/elastic/pool.py, launch/relay.py, elastic/forkserver.py): they
+answer only holders of the job's key, listen no wider than asked, and a warm process runs a script as
+a cold one would."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service import flooded
+from tests.support.services import flooded
 from tf_adasum.launch.elastic.pool import ENV_FORKSERVER, Pool
 from tf_adasum.launch.protocol import (
     ENV_DRIVER,

@@ -17,8 +17,8 @@ import tensorflow as tf
 
 import tf_adasum.keras
 import tf_adasum.tensorflow as hvd
-from tests import processes
-from tests.processes import log_tail
+from tests.support import processes
+from tests.support.processes import log_tail
 from tests.workers.data import allgather_inputs, alltoall_input, batch, reduced_inputs, scatter_inputs
 
 WORKER = ["-m", "tests.workers.horovod_tensorflow"]

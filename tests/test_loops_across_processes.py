@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests import oracle, processes
-from tests.processes import log_tail
-from tests.test_existing_scripts import load, simulate_processes
-from tests.test_training import Replica, mse_grads, simulate
+from tests.support import oracle, processes
+from tests.support.processes import log_tail
+from tests.support.scripts import load, simulate_processes
+from tests.support.training import Replica, mse_grads, simulate
 from tests.workers.data import BATCH, REPETITIONS, ROWS_PER_RANK, initial_weights, shard
 
 # Launches real processes: `make test` runs these, `make test-fast` (-m 'not multiprocess') does not.

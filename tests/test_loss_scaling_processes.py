@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import processes
-from tests.test_loss_scaling import assert_weights, data, expected
+from tests.support import processes
+from tests.support.loss_scaling import assert_weights, data, expected
 
 
 @pytest.mark.multiprocess

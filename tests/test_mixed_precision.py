@@ -16,16 +16,8 @@ import numpy as np
 import pytest
 
 import tf_adasum
-from tests.test_training import (
-    build_linear,
-    cpus,
-    digits_cnn,
-    digits_data,
-    make_inner,
-    problem,
-    replica_values,
-    simulate,
-)
+from tests.support.training import build_linear, cpus, make_inner, problem, replica_values, simulate
+from tests.test_training import digits_cnn, digits_data
 
 INITIAL_SCALE = 2.0**15
 

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adasum
-from tests.test_training import cpus
+from tests.support.training import cpus
 
 P = 4
 

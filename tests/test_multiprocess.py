@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 
 import tf_adasum
-from tests import oracle, processes
-from tests.processes import log_tail
+from tests.support import oracle, processes
+from tests.support.processes import log_tail
 from tests.workers.data import (
     DEVICE_CASES,
     LANE_SHAPES,
@@ -274,7 +274,7 @@ def fit_and_strategy(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 
 
 def test_fit_with_adasum_optimizer_across_two_processes(fit_and_strategy: Path) -> None:
-    from tests.test_training import simulate
+    from tests.support.training import simulate
 
     tmp_path = fit_and_strategy
     weights = [list(np.load(tmp_path / f"fit{r}.npz").values()) for r in range(2)]
@@ -287,7 +287,7 @@ def test_fit_with_adasum_optimizer_across_two_processes(fit_and_strategy: Path) 
 def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> None:
     # The tree over all six replicas pairs replica 2 (process 0) with replica 3 (process 1) in its fold:
     # not a tree per process, then a tree over processes.
-    from tests.test_training import simulate
+    from tests.support.training import simulate
 
     code = launch("mpi", 2, tmp_path, "replicas")
     assert code == 0, log_tail(tmp_path)
@@ -302,7 +302,7 @@ def test_fit_with_three_replicas_in_each_of_two_processes(tmp_path: Path) -> Non
 
 
 def test_adasum_strategy_across_two_processes(fit_and_strategy: Path) -> None:
-    from tests.test_training import problem, simulate, simulate_replicas
+    from tests.support.training import problem, simulate, simulate_replicas
 
     tmp_path = fit_and_strategy
     weights = [list(np.load(tmp_path / f"strategy{r}.npz").values()) for r in range(2)]
@@ -366,7 +366,7 @@ def test_weights_written_between_fits_across_two_processes(engine: str, tmp_path
     # Adasum of the steps that follow, as on two local replicas. Its own launch: at the end of the
     # AdasumStrategy launch above, the TF engine's rank 0 died (SIGSEGV, no Python traceback) in 2 of
     # 27 runs; alone, 10 of 10 passed.
-    from tests.test_training import check_fit_write_fit
+    from tests.support.training import check_fit_write_fit
 
     code = launch(engine, 2, tmp_path, "writes")
     assert code == 0, log_tail(tmp_path)
@@ -401,7 +401,7 @@ LAYOUTS += [(e, c) for c in ("1,3", "3,1", "1,1,2") for e in ("mpi", "tf")] + [(
 def test_adasum_strategy_with_several_devices_in_each_process(
     engine: str, counts: str, tmp_path: Path
 ) -> None:
-    from tests.test_training import problem, simulate
+    from tests.support.training import problem, simulate
 
     per_rank = [int(c) for c in counts.split(",")]
     p, total = len(per_rank), sum(per_rank)

@@ -1,5 +1,5 @@
-"""benchmarks/op_profile.py: TensorFlow's profiler on one compiled call gives its ops, and the summary
-splits the call's time into collectives, the time between them and the arithmetic."""
+"""benchmarks/collectives/op_profile.py: TensorFlow's profiler on one compiled call gives its ops, and
+the summary splits the call's time into collectives, the time between them and the arithmetic."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
 
 import op_profile  # noqa: E402
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import oracle
-from tests.cases import CASES, Case, case_orthogonal, dtype_codes, normal
+from tests.support import oracle
+from tests.support.cases import CASES, Case, case_orthogonal, dtype_codes, normal
 from tf_adasum import ops
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -295,7 +295,7 @@ def test_segment_bounds_are_checked() -> None:
         ops.adasum_segment_dot_norms(x, tf.ones(9), [0, 10])
 
 
-# The same core on numpy buffers, for the MPI engine's host path (kernels/adasum_host.cc).
+# The same core on numpy buffers, for the MPI engine's host path (kernels/adasum_c_api.cc).
 
 
 @pytest.mark.parametrize("threads", [1, 3])

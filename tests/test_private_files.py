@@ -5,46 +5,13 @@ read without following a link. The two-user cases run as root (as CI does), the 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.support.users import as_nobody, as_root
 from tf_adasum.launch.private_files import private_directory, read_private, write_private
-
-NOBODY = 65534
-as_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="becoming another user (nobody) needs root; CI runs as root"
-)
-
-
-@pytest.fixture
-def shared(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A sticky folder every user may write in, as /tmp is, that nobody can reach (tmp_path's folders
-    are root's alone)."""
-    folder = Path(tempfile.mkdtemp(prefix="tf_adasum-test-", dir="/tmp"))
-    folder.chmod(0o1777)
-    yield folder
-    shutil.rmtree(folder)
-
-
-def as_nobody(action: Callable[[], None]) -> None:
-    """Runs `action` in a forked child as user nobody; fails if it raised."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            action()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_missing_folders_are_made_private(tmp_path: Path) -> None:

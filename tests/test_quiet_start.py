@@ -80,8 +80,10 @@ def test_the_examples_and_the_demo_start_quietly_and_nothing_else(monkeypatch: p
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     monkeypatch.delitem(sys.modules, "tensorflow")  # as before the program's first import
     examples = Path(__file__).resolve().parents[1] / "examples"
+    benchmark = Path(__file__).resolve().parents[1] / "benchmarks" / "micro" / "bench_ops.py"
     for argv, orig_argv, quiet in (
         ([str(examples / "single_machine.py")], ["python", "examples/single_machine.py"], True),
+        ([str(benchmark)], ["python", "benchmarks/micro/bench_ops.py"], True),
         (["-m"], ["python", "-m", "tf_adasum.demo"], True),
         (["-m"], ["python", "-m", "pytest"], False),
         (["train.py"], ["python", "train.py"], False),

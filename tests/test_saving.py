@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adasum
-from tests.test_training import cpus
+from tests.support.training import cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""benchmarks/staleness.py: its Adam is the paper's (Table 2), staleness is what it says, with none it
+"""benchmarks/studies/staleness.py: its Adam is the paper's (Table 2), staleness is what it says, with none it
 is the synchronous harness exactly, and its smoke run goes end to end."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import tensorflow as tf
 import tf_adasum
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
 
 import convergence  # noqa: E402
 import staleness  # noqa: E402
 
-from tests.test_convergence import smoke  # noqa: E402
+from tests.support.studies import smoke  # noqa: E402
 
 # "Making Asynchronous SGD Work for Transformers", Table 2, as printed (three decimals, trailing zeros
 # dropped): Adam with beta_1 = 0.9, beta_2 = 0.98, lr = 0.001, times t = 1..6.
@@ -140,7 +140,7 @@ def test_each_push_is_the_gradient_of_the_weights_it_was_pulled_at(
 def test_with_no_staleness_each_mode_is_its_synchronous_counterpart_exactly(
     mode: str, method: str, kind: str, n: int
 ) -> None:
-    """Against benchmarks/convergence.py's replicas, bit for bit: their average (which
+    """Against benchmarks/studies/convergence.py's replicas, bit for bit: their average (which
     tests/test_convergence.py checks against MirroredStrategy) and their Adasum of the raw gradients
     (adasum_before, the tree over the gradients, then one optimizer step)."""
     steps = 3
@@ -200,11 +200,11 @@ def test_the_smoke_run_goes_end_to_end_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_real_parameter_server_run_on_localhost_trains_asynchronously(tmp_path: Path) -> None:
-    """benchmarks/parameter_server.py: one parameter server and two workers, real processes on
+    """benchmarks/studies/parameter_server.py: one parameter server and two workers, real processes on
     127.0.0.1, Keras 3 under ParameterServerStrategy with a ClusterCoordinator."""
     command = [
         sys.executable,
-        str(ROOT / "benchmarks" / "parameter_server.py"),
+        str(ROOT / "benchmarks" / "studies" / "parameter_server.py"),
         "--smoke",
         "--timeout",
         "150",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import processes
+from tests.support import processes
 from tf_adasum import timeline
 
 WORKER = ["-m", "tests.workers.timeline"]

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adasum
-from tests import oracle
+from tests.support import oracle
 from tf_adasum.algorithm.tensor_lists import first_mismatch, indices_by_dtype, tensor_specs
 from tf_adasum.algorithm.tree import fill_nodes, roots_within, tree_pairs
 

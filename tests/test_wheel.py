@@ -28,8 +28,9 @@ COMPILER_PARTS = [
 TEST_FILES = [
     "__init__.py",
     "conftest.py",
-    "oracle.py",
-    "cases.py",
+    "support/__init__.py",
+    "support/oracle.py",
+    "support/cases.py",
     "test_ops.py",
     "test_cpu_paths.py",
     "test_gpu_build.py",
@@ -102,7 +103,7 @@ def test_the_wheel_installs_and_runs_where_no_compiler_can_be_reached(tmp_path: 
     for name in TEST_FILES:
         (tests / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "tests" / name, tests / name)
-    (tmp_path / "kernels").mkdir()  # tests/cases.py reads the dtype codes from the one header of them
+    (tmp_path / "kernels").mkdir()  # tests/support/cases.py reads the dtype codes from this header
     shutil.copy(ROOT / "kernels" / "adasum_dtypes.h", tmp_path / "kernels")
     python = str(venv / "bin" / "python")
     quiet = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(tmp_path))

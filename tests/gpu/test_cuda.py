@@ -6,8 +6,8 @@ Usage:
 
 Loads the launchers of kernels/adasum_cuda.cu through ctypes and runs them on device buffers from
 cupy (or torch when cupy is missing). Every dtype is checked on the same hard cases as the CPU op
-tests (tests/cases.py) against the float64 oracle in tests/oracle.py, with the exact properties
-checked bitwise. As a script it also measures the fused pair's memory bandwidth against a
+tests (tests/support/cases.py) against the float64 oracle in tests/support/oracle.py, with the exact
+properties checked bitwise. As a script it also measures the fused pair's memory bandwidth against a
 device-to-device copy and prints JSON lines.
 """
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
 
-from tests import oracle  # noqa: E402
-from tests.cases import CASES, case_orthogonal, dtype_codes  # noqa: E402
+from tests.support import oracle  # noqa: E402
+from tests.support.cases import CASES, case_orthogonal, dtype_codes  # noqa: E402
 
 DTYPE_CODES = dtype_codes()
 

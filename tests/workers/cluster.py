@@ -39,7 +39,7 @@ SCRIPT_MODES = (
 def strategy(out: Path) -> None:
     """The crash this file was written for: AdasumStrategy() with its default devices, a process alone
     on its host (or one of two), under TF_CONFIG."""
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()

@@ -54,7 +54,7 @@ def linear(weights: list[np.ndarray]) -> keras.Model:
 
 
 def tutorial(out: Path) -> None:
-    from tests.test_custom_loops import dataset, tutorial_model, tutorial_steps
+    from tests.support.custom_loops import dataset, tutorial_model, tutorial_steps
 
     tf_adasum.init()
     for kind in ("sgd_momentum", "adam"):

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
-from tests.test_loss_scaling import HandBuilt, Mixed, custom_loop, data, fit_once, linear
+from tests.support.loss_scaling import HandBuilt, Mixed, custom_loop, data, fit_once, linear
 from tests.workers.dispatch import main
 
 

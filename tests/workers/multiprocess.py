@@ -313,7 +313,7 @@ def absent(out: Path) -> None:
 def fit(out: Path) -> None:
     import keras
 
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
@@ -339,7 +339,7 @@ def replicas(out: Path) -> None:
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 3
     )
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
@@ -365,7 +365,7 @@ def replicas(out: Path) -> None:
 
 
 def strategy(out: Path) -> None:
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
@@ -385,7 +385,7 @@ def batchnorm(out: Path) -> None:
     """BatchNorm: its moving statistics are averaged over processes, so every weight agrees."""
     import keras
 
-    from tests.test_training import problem
+    from tests.support.training import problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
@@ -399,7 +399,7 @@ def batchnorm(out: Path) -> None:
 
 def from_function(out: Path) -> None:
     """distribute_datasets_from_function: each process is one input pipeline, and shards by it."""
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()
@@ -423,7 +423,7 @@ def from_function(out: Path) -> None:
 
 def writes(out: Path) -> None:
     """Weights written between two fits, on two processes: the new weights, then Adasum of what follows."""
-    from tests.test_training import fit_write_fit
+    from tests.support.training import fit_write_fit
 
     rank = tf_adasum.init().rank
     for how, kind, sync_every in PROCESS_WRITES:
@@ -439,7 +439,7 @@ def mixed_precision(out: Path) -> None:
     """mixed_float16 with rank 1's share of the first batch overflowing: skipped on both processes."""
     import keras
 
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     rank = tf_adasum.init().rank
     x, y, _, _ = problem()
@@ -473,7 +473,7 @@ def resume(out: Path) -> None:
     import keras
     import tensorflow as tf
 
-    from tests.test_training import StopAfter, build_linear, make_inner, problem
+    from tests.support.training import StopAfter, build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     x, y, _, _ = problem()

@@ -97,7 +97,7 @@ def refused(out: Path) -> None:
 
 def fit(out: Path) -> None:
     import tf_adasum
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     devices = own_devices()
@@ -129,7 +129,7 @@ def fit(out: Path) -> None:
 
 def resume(out: Path) -> None:
     import tf_adasum
-    from tests.test_training import build_linear, make_inner, problem
+    from tests.support.training import build_linear, make_inner, problem
 
     comm = tf_adasum.init()
     devices = own_devices()
@@ -160,7 +160,7 @@ def batchnorm(out: Path) -> None:
     import keras
 
     import tf_adasum
-    from tests.test_training import problem
+    from tests.support.training import problem
 
     comm = tf_adasum.init()
     strategy = tf_adasum.AdasumStrategy(devices=own_devices(), **LAST_CASE)
@@ -179,7 +179,7 @@ def synced_batchnorm(out: Path) -> None:
     import keras
 
     import tf_adasum
-    from tests.test_training import problem
+    from tests.support.training import problem
 
     comm = tf_adasum.init()
     strategy = tf_adasum.AdasumStrategy(devices=own_devices(), **LAST_CASE)

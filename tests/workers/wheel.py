@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_adasum
-from tests import oracle
+from tests.support import oracle
 from tests.workers.dispatch import main
 
 SHAPES = [(1031,), (33, 7), (4,)]

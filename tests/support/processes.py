@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT = 240
 # Far below the launch timeout: a peer that never answers ends in tf_adasum's own error, in the log,

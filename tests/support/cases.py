@@ -32,7 +32,7 @@ TINY = {"float16": 2.0**-14, "bfloat16": 2.0**-126, "float32": 2.0**-126, "float
 
 def dtype_codes() -> dict[str, int]:
     """The kernels' dtype codes, read from kernels/adasum_dtypes.h, the one table of them."""
-    header = (Path(__file__).resolve().parents[1] / "kernels" / "adasum_dtypes.h").read_text()
+    header = (Path(__file__).resolve().parents[2] / "kernels" / "adasum_dtypes.h").read_text()
     return {name.lower(): int(code) for name, code in re.findall(r"ADASUM_(\w+) = (\d+)", header)}
 
 
