@@ -86,7 +86,7 @@ demo: build
 	$(PY) -m tf_adasum.demo
 
 bench: build
-	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/micro/bench_ops.py
 
 # The CUDA kernels alone, with plain nvcc and no TensorFlow: for tests/gpu/test_cuda.py on a GPU host.
 cuda: build/libadasum_cuda.so

@@ -100,7 +100,7 @@ def allreduce(tensors: Any, op: ReduceOp = Adasum, names: Sequence[str] | None =
         UnevenDataError: op=Adasum, and some rank ended its epoch instead of calling this.
         PeerError: a peer died or did not answer within TF_ADASUM_TIMEOUT_SECONDS.
 
-    Example:
+    Examples:
         >>> tf_adasum.init()
         >>> grads = tf_adasum.allreduce(grads, op=tf_adasum.Adasum)
     """

@@ -107,7 +107,7 @@ def adasum_tree(per_replica: Sequence[Sequence[Any]], device: str | None = None)
         ValueError: no replicas, or a replica whose tensors differ from replica 0's (named).
         TypeError: a non-floating tensor.
 
-    Example:
+    Examples:
         >>> tf_adasum.adasum_tree([[tf.constant([1.0, 0.0])], [tf.constant([0.0, 1.0])]])  # [[1., 1.]]
     """
     replicas = [[tf.convert_to_tensor(t) for t in r] for r in per_replica]

@@ -423,13 +423,14 @@ def gather_host(
 
 # pipelined_tensors: at most this many chunks, each at least this large. At 1 Gbit/s the ResNet-50 list
 # (97.5 MB, 161 tensors) took 0.67-0.93x its time as one VHDD in 4 chunks, 0.60-0.93x in 8 (three jobs)
-# and 0.67-0.91x in 16, on 2x1, 4x1 and 2x2 hosts (benchmarks/README.md, across hosts, round 6).
+# and 0.67-0.91x in 16, on 2x1, 4x1 and 2x2 hosts (benchmarks/README.md, bench_cluster: round6).
 PIPELINE_CHUNKS = 8
 PIPELINE_BYTES = 4 << 20
 # The all-gather at most this much in all (its memory and arithmetic grow with P).
 GATHER_BELOW_BYTES = 4 << 20
 # What one collective of the TF engine costs beyond its bytes (its launch, the group's resolution): the
-# latency term of benchmarks/cost_model.py's model, ~1 ms on loopback and on the namespace cluster.
+# latency term of benchmarks/collectives/cost_model.py's model, ~1 ms on loopback and on the namespace
+# cluster.
 COLLECTIVE_SECONDS = 1e-3
 
 

@@ -54,7 +54,7 @@ class AdasumCallback(CountsBatches):
         NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
         PeerError: a process died or stopped answering.
 
-    Example:
+    Examples:
         >>> model.fit(x_shard, y_shard, epochs=5, callbacks=[tf_adasum.AdasumCallback()])
     """
 

@@ -37,7 +37,7 @@ class OrthogonalityMonitor(keras.callbacks.Callback):
     Args:
         every: optimizer steps between two reports in the batch logs.
 
-    Example:
+    Examples:
         >>> model.fit(x, y, callbacks=[tf_adasum.callbacks.OrthogonalityMonitor(every=100)])
     """
 

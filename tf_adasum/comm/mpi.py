@@ -25,7 +25,7 @@ from tf_adasum.common.errors import PeerError, timeout_seconds
 # oversubscribed ranks) for this long, then sleep between polls while waiting out a slow or dead peer.
 # With a rank on another host, the kernel moves the bytes between polls, into socket buffers that a poll
 # drains whole; spinning there takes the cores from the kernel's network processing, and halved the
-# bandwidth of 4 processes on 2 cores (benchmarks/README.md, across hosts): such a wait sleeps at once.
+# bandwidth of 4 processes on 2 cores (benchmarks/README.md, bench_cluster): such a wait sleeps at once.
 # But Open MPI's TCP transport also writes the next fragments only inside a poll, so the sleep is short:
 # at 1 ms, 16 MB between 2 hosts at 1 Gbit/s took 1.68x the wire time; at 0.2 ms, 1.17x (and 4 hosts
 # went from 2.03x to 1.56x).
@@ -83,8 +83,8 @@ class MPICommunicator(HostCommunicator):
         with tf.init_scope():
             self._token = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="tf_adasum_host_calls")
         # Payload bytes this rank has sent in exchanges and block sums, the Adasum traffic. Only
-        # benchmarks/bench_allreduce.py reads it, for its cost table (MPI's own collectives may move
-        # more for the block sums).
+        # benchmarks/collectives/bench_allreduce.py reads it, for its cost table (MPI's own collectives
+        # may move more for the block sums).
         self.bytes_sent = 0
 
     def prepare_groups(self, groups: Sequence[Sequence[int]]) -> None:

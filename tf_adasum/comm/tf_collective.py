@@ -134,7 +134,7 @@ class TFCollectiveCommunicator(Communicator):
     # 2 * LANE_BYTES goes as up to LANES collectives instead, each of one part in its own lane (its own
     # ordering token and group key), which run at once: one part's bytes are on the wire while another's
     # are copied. A 32 MiB exchange at 1 Gbit/s took 1.5x the wire time as one collective, 1.1-1.2x in
-    # 4 lanes (benchmarks/README.md, across hosts).
+    # 4 lanes (benchmarks/README.md, bench_cluster).
     LANES = 4
     LANE_BYTES = 1 << 20
 

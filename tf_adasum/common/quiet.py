@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 _ABSL_LINE = re.compile(r"WARNING: All log messages before absl::|[IW]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
-_PROGRAMS = tuple(Path(__file__).resolve().parents[1] / folder for folder in ("examples", "benchmarks"))
+_PROGRAMS = tuple(Path(__file__).resolve().parents[2] / folder for folder in ("examples", "benchmarks"))
 
 
 def wanted() -> bool:
@@ -26,7 +26,10 @@ def wanted() -> bool:
         return False
     if sys.argv and sys.argv[0] == "-m":  # while `python -m` imports the package of its module
         return "tf_adasum.demo" in getattr(sys, "orig_argv", [])
-    return bool(sys.argv and sys.argv[0]) and Path(sys.argv[0]).resolve().parent in _PROGRAMS
+    if not (sys.argv and sys.argv[0]):
+        return False
+    script = Path(sys.argv[0]).resolve()
+    return any(folder in script.parents for folder in _PROGRAMS)
 
 
 def import_tensorflow_quietly() -> None:

@@ -188,7 +188,8 @@ def build_before_the_trace(model: Any) -> None:
     Keras builds an optimizer before fit only under a strategy; without one, in the trace of the train
     step. TensorFlow traces a function whose first trace created variables a second time, so the slots
     made there cost a second trace of the whole step: 0.1-0.2 s more at the first step of
-    benchmarks/convergence.py's CNN, 0.7-1.5 s of its Transformer (benchmarks/bench_first_step.py).
+    benchmarks/studies/convergence.py's CNN, 0.7-1.5 s of its Transformer
+    (benchmarks/training/bench_first_step.py).
     Under a strategy, and for a model whose weights are made in its first call, this does nothing and
     Keras builds as before.
     """
@@ -223,7 +224,7 @@ class AdasumOptimizer(WrappedOptimizer):
         TypeError: `inner` is not a Keras optimizer.
         ValueError: `sync_every` is not a positive integer, or `inner` is already wrapped.
 
-    Example:
+    Examples:
         >>> model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
     """
 

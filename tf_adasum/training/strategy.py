@@ -187,7 +187,7 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             hierarchical Adasum (any number of processes and of replicas each); scale the one-device
             learning rate by the replicas per process, as Horovod's guide says for it.
 
-    Example:
+    Examples:
         >>> strategy = tf_adasum.AdasumStrategy()
         >>> with strategy.scope():
         ...     model = make_model()

@@ -46,7 +46,7 @@ class SyncBatchNormalization(_compat.BatchNormalizationMoments):
             several replicas (use BatchNormalization(synchronized=True) there); or when the global batch
             is empty.
 
-    Example:
+    Examples:
         >>> model = keras.Sequential([keras.layers.Dense(8), hvd.SyncBatchNormalization()])
     """
 
