@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="a folder for every rank's stdout and stderr: DIR/rank.<r>/stdout and stderr (horovodrun's)",
     )
-    _elastic_flags(parser.add_argument_group("elastic training (see docs/elastic.md)"))
+    _elastic_flags(parser)
     # -m takes the rest of the line, as python's does: the module's own flags are not the launcher's.
     parser.add_argument(
         "-m",
@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _elastic_flags(group: argparse._ArgumentGroup) -> None:
+def _elastic_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("elastic training (see docs/elastic.md)")
     group.add_argument("--elastic", action="store_true", help="go on when workers are lost or added")
     group.add_argument(
         "--min-np", type=int, default=None, help="the fewest workers to go on with (default -np)"
