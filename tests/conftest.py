@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
+from tests.support.scripts import three_processes  # noqa: F401 (a fixture: the 3-process scripts' runs)
 from tests.support.users import shared  # noqa: F401 (a fixture: a folder another user can write in)
 
 # Four logical CPUs, as MirroredStrategy-style tests use in place of GPUs. This must happen before
