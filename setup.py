@@ -1,10 +1,19 @@
-"""Builds kernels/ into tf_adasum/_adasum_ops.so against the installed TensorFlow.
+"""Builds kernels/ into tf_adasum/: the TensorFlow-free core once, and a TensorFlow adapter per release.
 
-`pip install .`, `pip install -e .` and `pip wheel .` all run this. The library does not depend on the
-CPU it is built on:
-- the TensorFlow adapter (kernels/adasum_ops.cc and adasum_kernels.cc, which include TensorFlow's headers)
-  compiles with TensorFlow's own flags from `tf.sysconfig` and no instruction-set flag, so no
-  host-specific option reaches TensorFlow's bundled Eigen;
+`pip install .`, `pip install -e .` and `pip wheel .` all run this. Two kinds of library come out:
+- `_adasum_core.so`, built once and with no TensorFlow header: the hot loops, their threads, the choice
+  of CPU path, the C entry points the MPI engine calls through ctypes, and (TF_ADASUM_CUDA=1) the CUDA
+  kernels;
+- `_adasum_ops_tf<major>_<minor>.so`, one per TensorFlow release: the ops' registration and kernels
+  (kernels/adasum_ops.cc and adasum_kernels.cc), compiled with that TensorFlow's headers and its own
+  flags from `tf.sysconfig`, linked against the core beside it ($ORIGIN). tf_adasum loads the one for
+  the TensorFlow that is running (tf_adasum/common/loader.py).
+By default the adapter is built for this interpreter's TensorFlow; TF_ADASUM_TENSORFLOWS lists other
+interpreters, each with its own TensorFlow, to build one for each (`make wheel` builds every release).
+
+The libraries do not depend on the CPU they are built on:
+- the adapter compiles with TensorFlow's own flags and no instruction-set flag, so no host-specific
+  option reaches TensorFlow's bundled Eigen;
 - the hot loops (kernels/adasum_cpu_path.cc) compile once per CPU path, each with its own -m flags,
   and kernels/adasum_cpu.cc picks the widest one the CPU runs when the library loads. On x86-64:
   portable (the x86-64 baseline), avx2 (AVX2, FMA, F16C), avx512 (F, BW, VL, DQ), avx512bf16; on
@@ -14,6 +23,8 @@ Compiler output goes to build/adasum_build.log; on failure the error names the f
 the flag that failed, and what to set.
 
 Environment:
+    TF_ADASUM_TENSORFLOWS: Python interpreters, separated by spaces, whose TensorFlow releases get an
+        adapter each (default: this interpreter). Each must import tensorflow.
     TF_ADASUM_ARCH_FLAGS: opt-in host flags, for example "-march=native", added to every file in place
         of the dispatch: the library then holds one CPU path, "custom", built with these flags, and
         runs only on CPUs that have what they enable.
@@ -43,7 +54,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 KERNELS = ROOT / "kernels"
-LIBRARY = "tf_adasum/_adasum_ops.so"
+CORE = "_adasum_core.so"
 # TensorFlow-free, built for the architecture's baseline: blocks, threads, the choice of path, and the
 # C entry points the MPI engine calls through ctypes.
 CORE_SOURCES = ["adasum_cpu.cc", "adasum_c_api.cc"]
@@ -81,6 +92,12 @@ _QUERY = (
 )
 
 
+def adapter_name(version: str) -> str:
+    """The adapter's file for TensorFlow `version`, one per minor release: 2.16.2 -> _adasum_ops_tf2_16.so."""
+    major, minor = version.split(".")[:2]
+    return f"_adasum_ops_tf{major}_{minor}.so"
+
+
 @dataclass
 class TensorFlowBuild:
     """What the library is compiled against: this interpreter's TensorFlow."""
@@ -95,8 +112,8 @@ class TensorFlowBuild:
         return [f[2:] for f in self.compile_flags if f.startswith("-I")]
 
 
-def tensorflow_build_info() -> TensorFlowBuild:
-    """Version, compile and link flags, and CUDA support of this interpreter's TensorFlow.
+def tensorflow_build_info(python: str = sys.executable) -> TensorFlowBuild:
+    """Version, compile and link flags, and CUDA support of the TensorFlow that `python` imports.
 
     pip builds in an isolated environment that hides the installed TensorFlow, so the query runs in a
     fresh interpreter without pip's PYTHONPATH, which sees the real site-packages.
@@ -104,16 +121,30 @@ def tensorflow_build_info() -> TensorFlowBuild:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     result = subprocess.run(
-        [sys.executable, "-c", _QUERY], env=env, capture_output=True, text=True, cwd="/", check=False
+        [python, "-c", _QUERY], env=env, capture_output=True, text=True, cwd="/", check=False
     )
     if result.returncode != 0:
         raise RuntimeError(
             "tf_adasum builds its ops against the installed TensorFlow, but "
-            f"`{sys.executable} -c 'import tensorflow'` failed:\n{result.stderr[-2000:]}\n"
+            f"`{python} -c 'import tensorflow'` failed:\n{result.stderr[-2000:]}\n"
             "Install TensorFlow first, for example `pip install tensorflow-cpu==2.21.0`."
         )
     version, cflags, lflags, has_cuda = json.loads(result.stdout.strip().splitlines()[-1])
     return TensorFlowBuild(version, cflags, lflags, has_cuda)
+
+
+def tensorflow_builds() -> list[TensorFlowBuild]:
+    """The TensorFlow releases to build an adapter for: those of $TF_ADASUM_TENSORFLOWS's interpreters, or
+    of this one. Two interpreters of the same minor release would build the same file: refused."""
+    builds = [tensorflow_build_info(p) for p in shlex.split(os.environ.get("TF_ADASUM_TENSORFLOWS", ""))]
+    builds = builds or [tensorflow_build_info()]
+    names = [adapter_name(b.version) for b in builds]
+    if len(set(names)) != len(names):
+        raise RuntimeError(
+            f"TF_ADASUM_TENSORFLOWS holds two interpreters of one TensorFlow minor release "
+            f"({', '.join(b.version for b in builds)}): one adapter serves each minor release"
+        )
+    return builds
 
 
 def find_nvcc() -> str | None:
@@ -142,17 +173,26 @@ def cuda_root(nvcc: str) -> Path:
     return Path(nvcc).resolve().parent.parent
 
 
-def cuda_plan(tf_has_cuda: bool, include_dirs: list[str]) -> tuple[str | None, str]:
-    """(nvcc to build the GPU kernels with, or None; why, for the log)."""
+def cuda_plan(tensorflows: list[TensorFlowBuild]) -> tuple[str | None, str]:
+    """(nvcc to build the GPU kernels with, or None; why, for the log). Every adapter needs a TensorFlow
+    built with CUDA, whose headers carry CUDA's."""
     if os.environ.get("TF_ADASUM_CUDA", "0") != "1":
         return None, "CPU-only build (set TF_ADASUM_CUDA=1 to build the GPU kernels)"
-    if not tf_has_cuda:
+    without = [tf.version for tf in tensorflows if not tf.with_cuda]
+    if without:
         return None, (
-            "TF_ADASUM_CUDA=1, but the installed TensorFlow has no CUDA support (tensorflow-cpu?): building "
-            "CPU-only; install the GPU wheel, `pip install tensorflow==2.21.0`"
+            f"TF_ADASUM_CUDA=1, but TensorFlow {', '.join(without)} has no CUDA support (tensorflow-cpu?): "
+            "building CPU-only; install the GPU wheel, for example `pip install tensorflow==2.21.0`"
         )
-    if not any((Path(d) / "third_party/gpus/cuda/include/cuda_runtime_api.h").exists() for d in include_dirs):
-        return None, "TF_ADASUM_CUDA=1, but TensorFlow's headers carry no CUDA headers: building CPU-only"
+    for tf in tensorflows:
+        if not any(
+            (Path(d) / "third_party/gpus/cuda/include/cuda_runtime_api.h").exists() for d in tf.include_dirs
+        ):
+            return (
+                None,
+                f"TF_ADASUM_CUDA=1, but TensorFlow {tf.version}'s headers carry no CUDA headers: "
+                "building CPU-only",
+            )
     nvcc = find_nvcc()
     if nvcc is None:
         return None, "TF_ADASUM_CUDA=1, but no nvcc was found ($NVCC, $CUDA_HOME, PATH): building CPU-only"
@@ -196,79 +236,90 @@ def compiler_version(compiler: list[str]) -> str:
     return (result.stdout.splitlines() or ["unknown"])[0]
 
 
-def plan_build(
-    output: Path,
-    build_dir: Path,
-    tf: TensorFlowBuild,
-    compiler: list[str],
-    arch_flags: list[str],
-    nvcc: str | None = None,
+def plan_core(
+    folder: Path, build_dir: Path, compiler: list[str], arch_flags: list[str], nvcc: str | None = None
 ) -> Plan:
-    """The compiler runs and the link that build the library at `output`."""
+    """The compiler runs and the link that build the TensorFlow-free core, `folder`/_adasum_core.so."""
     machine = target_machine(compiler)
     version = compiler_version(compiler)
     paths = cpu_paths(machine, arch_flags)
     if "clang" in version:
         paths = {name: [f for f in flags if f not in GCC_ONLY] for name, flags in paths.items()}
-    version_define = f'-DTF_ADASUM_BUILT_FOR_TF="{tf.version}"'
     codegen = [f for f in CODEGEN if "clang" not in version or f not in GCC_ONLY]
-    common = [*codegen, *arch_flags, *tf.compile_flags]
-    custom = ["-DADASUM_CPU_PATH_CUSTOM"] if arch_flags else []
+    common = [*compiler, *codegen, "-std=c++17", *arch_flags]
+    common += ["-DADASUM_CPU_PATH_CUSTOM"] if arch_flags else []
     steps = []
     for name, flags in paths.items():
         obj = str(build_dir / f"adasum_cpu_path_{name}.o")
-        command = [*compiler, *common, *custom, *flags, f"-DADASUM_CPU_PATH={name}"]
-        steps.append(
-            Step(
-                f"kernels/{PATH_SOURCE} (path {name})",
-                [*command, "-c", str(KERNELS / PATH_SOURCE), "-o", obj],
-                obj,
-                True,
-            )
-        )
+        command = [*common, *flags, f"-DADASUM_CPU_PATH={name}", "-c", str(KERNELS / PATH_SOURCE), "-o", obj]
+        steps.append(Step(f"kernels/{PATH_SOURCE} (path {name})", command, obj, True))
     for source in CORE_SOURCES:
         obj = str(build_dir / (Path(source).stem + ".o"))
-        command = [*compiler, *common, *custom, f"-I{build_dir}", "-c", str(KERNELS / source), "-o", obj]
+        command = [*common, f"-I{build_dir}", "-c", str(KERNELS / source), "-o", obj]
         steps.append(Step(f"kernels/{source}", command, obj))
-    adapter = [*compiler, *common, version_define]
-    if nvcc:
-        # Eigen includes cuda_runtime.h itself; TensorFlow's GPU wheel carries CUDA's headers here.
-        adapter += ["-DGOOGLE_CUDA=1", *[f"-I{d}/third_party/gpus/cuda/include" for d in tf.include_dirs]]
-    for source in ADAPTER_SOURCES:
-        obj = str(build_dir / (Path(source).stem + ".o"))
-        steps.append(Step(f"kernels/{source}", [*adapter, "-c", str(KERNELS / source), "-o", obj], obj))
     link_cuda: list[str] = []
     if nvcc:
         obj = str(build_dir / "adasum_cuda.o")
         archs = shlex.split(os.environ.get("TF_ADASUM_CUDA_ARCHS", CUDA_ARCHS))
         # No TensorFlow header in this one: plain nvcc, exact roundings (see adasum_cuda.cu).
-        command = [
-            nvcc,
-            "-O3",
-            "-std=c++17",
-            "-Xcompiler",
-            "-fPIC",
-            *archs,
-            "-c",
-            str(KERNELS / CUDA_SOURCE),
-            "-o",
-            obj,
-        ]
-        steps.append(Step(f"kernels/{CUDA_SOURCE}", command, obj))
+        command = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", *archs]
+        steps.append(
+            Step(f"kernels/{CUDA_SOURCE}", [*command, "-c", str(KERNELS / CUDA_SOURCE), "-o", obj], obj)
+        )
         # The CUDA runtime linked in statically: the library needs no libcudart of nvcc's version.
-        link_cuda = [f"-L{cuda_root(nvcc) / 'lib64'}", "-l:libcudart_static.a", "-ldl", "-lrt", "-lpthread"]
-    link = [*compiler, "-shared", *[s.output for s in steps], "-o", str(output), *tf.link_flags, *link_cuda]
+        link_cuda = [f"-L{cuda_root(nvcc) / 'lib64'}", "-l:libcudart_static.a", "-ldl", "-lrt"]
+    output = str(folder / CORE)
+    link = [*compiler, "-shared", f"-Wl,-soname,{CORE}", *[s.output for s in steps], "-o", output]
+    link += [*link_cuda, "-lpthread"]
     info = {
-        "tensorflow": tf.version,
         "compiler": version,
         "machine": machine,
         "arch_flags": arch_flags,
         "cpu_paths": paths,
         "flags": [*codegen, *arch_flags],
-        "tensorflow_flags": tf.compile_flags,
         "cuda": bool(nvcc),
     }
     return Plan(steps, link, info)
+
+
+def plan_adapter(
+    folder: Path,
+    build_dir: Path,
+    tf: TensorFlowBuild,
+    compiler: list[str],
+    arch_flags: list[str],
+    with_cuda: bool = False,
+) -> Plan:
+    """The compiler runs and the link that build the adapter for `tf`, linked against the core in `folder`
+    and finding it there at run time ($ORIGIN)."""
+    version = compiler_version(compiler)
+    codegen = [f for f in CODEGEN if "clang" not in version or f not in GCC_ONLY]
+    command = [
+        *compiler,
+        *codegen,
+        *arch_flags,
+        *tf.compile_flags,
+        f'-DTF_ADASUM_BUILT_FOR_TF="{tf.version}"',
+    ]
+    if with_cuda:
+        # Eigen includes cuda_runtime.h itself; TensorFlow's GPU wheel carries CUDA's headers here.
+        command += ["-DGOOGLE_CUDA=1", *[f"-I{d}/third_party/gpus/cuda/include" for d in tf.include_dirs]]
+    objects = build_dir / Path(adapter_name(tf.version)).stem
+    objects.mkdir(parents=True, exist_ok=True)
+    steps = []
+    for source in ADAPTER_SOURCES:
+        obj = str(objects / (Path(source).stem + ".o"))
+        steps.append(
+            Step(
+                f"kernels/{source} (TensorFlow {tf.version})",
+                [*command, "-c", str(KERNELS / source), "-o", obj],
+                obj,
+            )
+        )
+    output = str(folder / adapter_name(tf.version))
+    link = [*compiler, "-shared", *[s.output for s in steps], "-o", output, f"-L{folder}", f"-l:{CORE}"]
+    link += ["-Wl,-rpath,$ORIGIN", *tf.link_flags]
+    return Plan(steps, link, {"tensorflow": tf.version, "tensorflow_flags": tf.compile_flags})
 
 
 def weak_symbols(obj: str, compiler: list[str]) -> list[str] | None:
@@ -350,37 +401,41 @@ def run_steps(steps: list[Step], log, jobs: int) -> tuple[Step, int] | None:
 
 
 def build_library(
-    output: Path,
+    folder: Path,
     build_dir: Path,
-    tf: TensorFlowBuild,
+    tensorflows: list[TensorFlowBuild],
     compiler: list[str],
     arch_flags: list[str],
     nvcc: str | None = None,
     plan_note: str = "",
 ) -> dict[str, object]:
-    """Compiles and links the library at `output`; returns the build's description.
+    """Compiles and links the core and an adapter for each of `tensorflows` into `folder`; returns the
+    build's description: the core's, with "tensorflow", the releases served.
 
     Raises:
         RuntimeError: a compile or link failed; the message says which file, where and what to set.
     """
-    output.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     build_dir.mkdir(parents=True, exist_ok=True)
     log_path = build_dir / "adasum_build.log"
-    plan = plan_build(output, build_dir, tf, compiler, arch_flags, nvcc)
-    build_header(build_dir, plan.info)
+    core = plan_core(folder, build_dir, compiler, arch_flags, nvcc)
+    adapters = [plan_adapter(folder, build_dir, tf, compiler, arch_flags, bool(nvcc)) for tf in tensorflows]
+    build_header(build_dir, core.info)
     with open(log_path, "w") as log:
         if plan_note:
             log.write(f"tf_adasum: {plan_note}\n")
-        log.write(f"tf_adasum: CPU paths {', '.join(plan.info['cpu_paths'])} for {plan.info['machine']}\n")
-        failure = run_steps(plan.steps, log, jobs=max(1, os.cpu_count() or 1))
+        log.write(f"tf_adasum: CPU paths {', '.join(core.info['cpu_paths'])} for {core.info['machine']}\n")
+        log.write(f"tf_adasum: adapters for TensorFlow {', '.join(tf.version for tf in tensorflows)}\n")
+        steps = [step for plan in (core, *adapters) for step in plan.steps]
+        failure = run_steps(steps, log, jobs=max(1, os.cpu_count() or 1))
         if failure is not None:
             step, _ = failure
             text = Path(step.output + ".log").read_text()
             raise RuntimeError(
-                f"building {output.name} failed: {explain_failure(step, text, compiler, arch_flags)} "
+                f"building {step.source} failed: {explain_failure(step, text, compiler, arch_flags)} "
                 f"(full compiler output: {log_path})"
             )
-        for step in (s for s in plan.steps if s.path_object):
+        for step in (s for s in core.steps if s.path_object):
             weak = weak_symbols(step.output, compiler)
             if weak is None:
                 log.write(f"tf_adasum: no nm reads {step.output}: its symbols are not checked\n")
@@ -390,16 +445,27 @@ def build_library(
                     f"copy so that one path runs another's instructions: {weak[:5]}; give them internal "
                     "linkage (kernels/adasum_cpu_path.h)"
                 )
-        log.write(shlex.join(plan.link) + "\n")
-        log.flush()
-        linked = subprocess.run(plan.link, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if linked.returncode != 0:
-        raise RuntimeError(f"linking {output.name} failed; the full output is in {log_path}")
-    return plan.info
+        for plan in (core, *adapters):  # the core first: the adapters link against it
+            log.write(shlex.join(plan.link) + "\n")
+            log.flush()
+            linked = subprocess.run(plan.link, stdout=log, stderr=subprocess.STDOUT, check=False)
+            if linked.returncode != 0:
+                name = Path(plan.link[plan.link.index("-o") + 1]).name
+                raise RuntimeError(f"linking {name} failed; the full output is in {log_path}")
+    return {**core.info, "tensorflow": [tf.version for tf in tensorflows]}
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it for build_library
+    import setuptools
     from setuptools import Extension, setup
+
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        # A stock venv's setuptools (65.5 in Python 3.11's) rejects pyproject.toml's SPDX license, and
+        # `pip install --no-build-isolation` builds with the venv's own.
+        sys.exit(
+            f"tf_adasum builds with setuptools 77 or later, and this environment has setuptools "
+            f"{setuptools.__version__}: run `pip install --upgrade 'setuptools>=77' wheel` first"
+        )
     from setuptools.command.build_ext import build_ext
 
     try:
@@ -411,19 +477,36 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         """Compiles the ops with $CXX (default g++) and TensorFlow's own flags, not distutils' defaults."""
 
         def get_ext_filename(self, fullname: str) -> str:
-            # A plain `_adasum_ops.so`, without the interpreter tag: the library depends on TensorFlow's
+            # A plain `_adasum_core.so`, without the interpreter tag: the libraries depend on TensorFlow's
             # ABI, not Python's. setuptools calls this with both the dotted and the bare name.
-            return os.path.join(*fullname.split(".")[:-1], Path(LIBRARY).name)
+            return os.path.join(*fullname.split(".")[:-1], CORE)
+
+        def get_outputs(self) -> list[str]:
+            return [*super().get_outputs(), *map(str, getattr(self, "adapters", []))]
+
+        def copy_extensions_to_source(self) -> None:
+            # `pip install -e .`: the adapters too, and none of a release this build left out.
+            super().copy_extensions_to_source()
+            package = ROOT / "tf_adasum"
+            for stale in package.glob("_adasum_ops_tf*.so"):
+                stale.unlink()
+            for adapter in self.adapters:
+                self.copy_file(str(adapter), str(package / adapter.name), level=self.verbose)
 
         def build_extension(self, ext: Extension) -> None:
-            tf = tensorflow_build_info()
-            nvcc, note = cuda_plan(tf.with_cuda, tf.include_dirs)
+            tensorflows = tensorflow_builds()
+            nvcc, note = cuda_plan(tensorflows)
             print(f"tf_adasum: {note}", file=sys.stderr)
             try:
+                # The adapters go beside the core, which is the extension setuptools knows of.
+                folder = Path(self.get_ext_fullpath(ext.name)).parent
+                for stale in folder.glob("_adasum_ops_tf*.so"):  # an earlier build's, in build/lib
+                    stale.unlink()
+                self.adapters = [folder / adapter_name(tf.version) for tf in tensorflows]
                 build_library(
-                    Path(self.get_ext_fullpath(ext.name)),
+                    folder,
                     ROOT / "build",
-                    tf,
+                    tensorflows,
                     shlex.split(os.environ.get("CXX") or "g++"),
                     shlex.split(os.environ.get("TF_ADASUM_ARCH_FLAGS", "")),
                     nvcc,
@@ -434,8 +517,8 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
                 raise RuntimeError(str(error)) from None
 
     class PlatformWheel(bdist_wheel):
-        """py3-none-<platform>: the library is loaded by TensorFlow, not by Python, so it serves every
-        Python that TensorFlow 2.21 serves, on this platform only."""
+        """py3-none-<platform>: the libraries are loaded by TensorFlow, not by Python, so they serve every
+        Python that the TensorFlow releases serve, on this platform only."""
 
         def get_tag(self) -> tuple[str, str, str]:
             return ("py3", "none", super().get_tag()[2])
@@ -443,7 +526,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
     setup(
         ext_modules=[
             Extension(
-                "tf_adasum._adasum_ops",
+                "tf_adasum._adasum_core",
                 sources=[f"kernels/{s}" for s in [*CORE_SOURCES, PATH_SOURCE, *ADAPTER_SOURCES]],
             )
         ],

@@ -73,9 +73,9 @@ def test_the_portable_build_compiles_on_every_cpu_kind(
     target: str, tmp_path: Path, tensorflow: object
 ) -> None:
     compiler, calls = _compiler_on(target, tmp_path)
-    library = tmp_path / "_adasum_ops.so"
-    info = setup.build_library(library, tmp_path / "build", tensorflow, [str(compiler)], [])
-    assert library.is_file()
+    folder = tmp_path / "tf_adasum"
+    info = setup.build_library(folder, tmp_path / "build", [tensorflow], [str(compiler)], [])
+    assert (folder / setup.CORE).is_file() and (folder / setup.adapter_name(tensorflow.version)).is_file()
     assert list(info["cpu_paths"]) == ["portable", "avx2", "avx512", "avx512bf16"]
     assert info["arch_flags"] == []
     assert "native" not in calls.read_text(), "the portable build passes no host-specific flag"
@@ -89,7 +89,7 @@ def test_the_old_native_default_fails_on_sapphirerapids_and_says_what_to_set(
     compiler, _ = _compiler_on("sapphirerapids", tmp_path)
     with pytest.raises(RuntimeError) as failure:
         setup.build_library(
-            tmp_path / "lib.so", tmp_path / "build", tensorflow, [str(compiler)], ["-march=native"]
+            tmp_path / "lib", tmp_path / "build", [tensorflow], [str(compiler)], ["-march=native"]
         )
     message = str(failure.value)
     for part in (
@@ -105,14 +105,37 @@ def test_the_old_native_default_fails_on_sapphirerapids_and_says_what_to_set(
 
     # The fix the message names builds, as one path with the host's flags everywhere.
     info = setup.build_library(
-        tmp_path / "lib.so",
+        tmp_path / "lib",
         tmp_path / "build",
-        tensorflow,
+        [tensorflow],
         [str(compiler)],
         ["-march=native", "-mno-avx512fp16"],
     )
     assert info["cpu_paths"] == {"custom": []}
     assert info["arch_flags"] == ["-march=native", "-mno-avx512fp16"]
+
+
+def test_the_core_builds_without_tensorflow_and_each_adapter_with_its_own_release(
+    tmp_path: Path, tensorflow: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = setup.plan_core(tmp_path, tmp_path / "build", ["g++"], [])
+    for step in core.steps:
+        assert not set(tensorflow.compile_flags) & set(step.command), f"{step.source} sees TensorFlow"
+    older = setup.TensorFlowBuild(
+        "2.16.2", ["-I/tf216/include", "-D_GLIBCXX_USE_CXX11_ABI=1"], ["-L/tf216"], False
+    )
+    for tf_build in (tensorflow, older):
+        adapter = setup.plan_adapter(tmp_path, tmp_path / "build", tf_build, ["g++"], [])
+        for step in adapter.steps:
+            assert set(tf_build.compile_flags) <= set(step.command)
+            assert f'-DTF_ADASUM_BUILT_FOR_TF="{tf_build.version}"' in step.command
+        assert str(tmp_path / setup.adapter_name(tf_build.version)) in adapter.link
+        assert {f"-l:{setup.CORE}", "-Wl,-rpath,$ORIGIN", *tf_build.link_flags} <= set(adapter.link)
+    assert setup.adapter_name("2.16.2") == "_adasum_ops_tf2_16.so"
+    # Two interpreters of one minor release would write one file twice.
+    monkeypatch.setenv("TF_ADASUM_TENSORFLOWS", f"{sys.executable} {sys.executable}")
+    with pytest.raises(RuntimeError, match="two interpreters of one TensorFlow minor release"):
+        setup.tensorflow_builds()
 
 
 def test_a_portable_failure_names_the_file_and_where(tmp_path: Path) -> None:

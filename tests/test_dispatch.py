@@ -73,7 +73,7 @@ def test_every_worker_dispatches_through_main_alone(path: Path) -> None:
 def test_a_misspelled_mode_raises_naming_the_modes_and_runs_nothing(tmp_path: Path) -> None:
     """By hand, as a launcher would start it: a mode one letter off is refused, and no mode ran."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.workers.wheel", str(tmp_path), "allreduce,alreduce"],
+        [sys.executable, "-m", "tests.workers.matrix", str(tmp_path), "allreduce,alreduce"],
         cwd=tmp_path,
         env=dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3"),
         capture_output=True,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,7 @@ import tensorflow as tf
 from tests.support import oracle
 from tests.support.cases import CASES, Case, case_orthogonal, dtype_codes, normal
 from tf_adasum import ops
+from tf_adasum.common import loader
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
@@ -243,27 +246,56 @@ def test_dot_norms_of_the_wrong_shape() -> None:
 
 
 def test_missing_library_names_path_and_rebuild(tmp_path: Any) -> None:
-    path = tmp_path / "_adasum_ops.so"
-    with pytest.raises(ImportError, match=f"{path} does not exist.*make build"):
+    path = tmp_path / loader.adapter_name(tf.__version__)
+    with pytest.raises(ImportError, match=f"{path} does not exist.*pip install --no-build-isolation"):
+        ops.load_library(path)
+
+
+def test_a_release_the_package_does_not_serve_is_named_with_those_it_does(tmp_path: Any) -> None:
+    for release in ("3.1", "2.13", "2.9"):  # none of them the running one
+        (tmp_path / loader.adapter_name(release)).write_bytes(b"")
+    (tmp_path / "_adasum_ops_tfx_y.so").write_bytes(b"")  # not an adapter's name
+    (tmp_path / loader.CORE).write_bytes(b"")
+    with pytest.raises(ImportError) as refused:
+        ops.load_library(tmp_path / loader.adapter_name(tf.__version__))
+    assert (
+        f"no op library for TensorFlow {tf.__version__}, which is running: {tmp_path} serves TensorFlow "
+        "2.9, 2.13, 3.1. Install one of those releases, or build tf_adasum from source" in str(refused.value)
+    )
+
+
+def test_an_adapter_without_its_core_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / loader.adapter_name(tf.__version__)
+    path.write_bytes(f"TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode())
+    with pytest.raises(ImportError, match=rf"core is missing: {tmp_path / loader.CORE} does not exist"):
         ops.load_library(path)
 
 
 def test_library_for_another_tensorflow_is_refused(tmp_path: Any) -> None:
-    path = tmp_path / "_adasum_ops.so"
+    path = tmp_path / loader.adapter_name(tf.__version__)
     path.write_bytes(b"\x7fELF...TF_ADASUM_BUILT_FOR_TF=2.3.0;...")
+    (tmp_path / loader.CORE).write_bytes(b"")
     with pytest.raises(ImportError, match=rf"built for TensorFlow 2\.3\.0 but TensorFlow {tf.__version__}"):
         ops.load_library(path)
 
 
 def test_unloadable_library_is_reported(tmp_path: Any) -> None:
-    path = tmp_path / "_adasum_ops.so"
+    path = tmp_path / loader.adapter_name(tf.__version__)
     path.write_bytes(f"not an ELF file TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode())
-    with pytest.raises(ImportError, match=r"could not be loaded.*make build"):
+    (tmp_path / loader.CORE).write_bytes(b"")
+    with pytest.raises(ImportError, match=r"could not be loaded.*pip install --no-build-isolation"):
         ops.load_library(path)
 
 
-def test_installed_library_records_this_tensorflow() -> None:
-    assert f"TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode() in ops.LIBRARY_PATH.read_bytes()
+def test_the_loaded_library_is_the_adapter_of_this_tensorflow_beside_its_core() -> None:
+    info, library = ops.build_info(), loader.library_path()
+    if not os.environ.get("TF_ADASUM_LIBRARY"):  # make test-gpu-build points it at its own build
+        assert library == loader.PACKAGE / loader.adapter_name(tf.__version__)
+    assert info["library"] == str(library)
+    assert info["core"] == str(library.parent / loader.CORE)
+    assert info["tensorflow"] == tf.__version__
+    assert ".".join(tf.__version__.split(".")[:2]) in info["releases"]
+    assert f"TF_ADASUM_BUILT_FOR_TF={tf.__version__};".encode() in Path(info["library"]).read_bytes()
 
 
 # The segment ops: one fused buffer per side plus piece bounds, as the distributed algorithm uses.

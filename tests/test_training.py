@@ -62,6 +62,28 @@ def test_fit_equals_the_simulation(kind: str, p: int, sync_every: int, local_red
     assert int(model.optimizer.iterations.numpy()) == steps
 
 
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])
+def test_two_replicas_on_identical_rows_train_as_one_device(kind: str) -> None:
+    # Each global batch is one device's batch twice: both replicas take the same step, and Adasum of two
+    # equal deltas is that delta, bitwise (its coefficients are exactly 1/2). So the fit must equal one
+    # device's, bit for bit, with every replica the same.
+    x, y, _, _ = problem()
+    batch, steps = 8, 4
+    twice = [np.concatenate([a[i * batch : (i + 1) * batch]] * 2) for a in (x, y) for i in range(steps)]
+    x2, y2 = np.concatenate(twice[:steps]), np.concatenate(twice[steps:])
+    one = build_linear(tf.distribute.OneDeviceStrategy("/cpu:0"), lambda: make_inner(kind))
+    one.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, shuffle=False, verbose=0)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    two = build_linear(strategy, lambda: make_inner(kind))
+    two.fit(x2, y2, batch_size=2 * batch, shuffle=False, verbose=0)
+    for got, want in zip(two.get_weights(), one.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(one.get_weights()[0], problem()[2]), "the fit moved the weights"
+    for components in replica_values(strategy, two):
+        for c in components[1:]:
+            np.testing.assert_array_equal(c, components[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("how", "kind", "p", "sync_every"), WRITES)
 def test_weights_written_between_two_fits_are_the_new_weights(

@@ -177,22 +177,27 @@ def build_info() -> dict[str, Any]:
     """How the loaded ops were built, and what they run on here.
 
     Returns:
-        A dict: "tensorflow" (the version the library was built for), "compiler", "machine" (the target
+        A dict: "tensorflow" (the release the loaded library was built for), "releases" (the TensorFlow
+        minor releases the installation serves, one library each), "compiler", "machine" (the target
         architecture), "flags" (the code-generation flags of every file), "arch_flags"
         (TF_ADASUM_ARCH_FLAGS at build time, [] for the portable build), "cpu_paths" (each path the
         library holds, with its own flags), "cuda" (GPU kernels built), and, from this process:
         "cpu_path" (the path in use), "cpu_paths_runnable" (which paths this CPU runs), "library" (the
-        file).
+        TensorFlow adapter that loaded) and "core" (the TensorFlow-free core beside it).
 
     Examples:
         >>> tf_adasum.ops.build_info()["cpu_path"]  # "avx2" on a CPU with AVX2 and no AVX-512
+        >>> tf_adasum.ops.build_info()["tensorflow"]  # "2.21.0"
     """
     path = loader.library_path()
     library = loader.host_library_at(path)
     info: dict[str, Any] = json.loads(library.tf_adasum_build_info().decode())
+    info["tensorflow"] = loader.built_for_tensorflow(path)
+    info["releases"] = loader.served_releases(path.parent)
     info["cpu_path"] = library.tf_adasum_cpu_path().decode()
     info["cpu_paths_runnable"] = loader.cpu_paths(library)
     info["library"] = str(path)
+    info["core"] = str(path.parent / loader.CORE)
     return info
 
 

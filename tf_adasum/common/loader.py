@@ -1,7 +1,12 @@
 """The one loader of the compiled library: its path, the checks before it loads (present, built for the
 running TensorFlow, with GPU kernels where there is a GPU), the TensorFlow op module, and the same
 library's C entry points (ctypes), with the choice of its CPU path. tf_adasum.ops is the public face of
-what it loads."""
+what it loads.
+
+The package holds a TensorFlow-free core, `_adasum_core.so`, and an adapter per TensorFlow minor release,
+`_adasum_ops_tf<major>_<minor>.so` (setup.py): the adapter of the running TensorFlow is the library that
+loads, and it finds the core beside it. Its handle reaches the core's C entry points too.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +22,13 @@ import tensorflow as tf
 
 from tf_adasum.common import settings
 
-LIBRARY_PATH = Path(__file__).parents[1] / "_adasum_ops.so"
-REBUILD_HINT = "run `make build` in the tf_adasum checkout (or `pip install --no-build-isolation -e .`)"
+PACKAGE = Path(__file__).parents[1]
+CORE = "_adasum_core.so"
+_ADAPTER = re.compile(r"_adasum_ops_tf(\d+)_(\d+)\.so")
+REBUILD_HINT = (
+    "build tf_adasum from source against this TensorFlow: `pip install --no-build-isolation .` in a "
+    "checkout (`make build` there), see docs/install.md"
+)
 
 _MARKER = re.compile(rb"TF_ADASUM_BUILT_FOR_TF=([^;\x00]*);")
 _GPU_MARKER = re.compile(rb"TF_ADASUM_GPU_KERNELS=([01]);")
@@ -28,9 +38,28 @@ GPU_BUILD_HINT = (
 )
 
 
+def adapter_name(version: str) -> str:
+    """The adapter's file for TensorFlow `version` (setup.py names them alike): 2.16.2 ->
+    _adasum_ops_tf2_16.so."""
+    major, minor = version.split(".")[:2]
+    return f"_adasum_ops_tf{major}_{minor}.so"
+
+
+def served_releases(folder: Path = PACKAGE) -> list[str]:
+    """The TensorFlow minor releases the adapters in `folder` serve, oldest first ("2.16", ...)."""
+    found = (_ADAPTER.fullmatch(p.name) for p in folder.glob("_adasum_ops_tf*.so"))
+    return [f"{a}.{b}" for a, b in sorted((int(m[1]), int(m[2])) for m in found if m)]
+
+
 def library_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """`path`, else $TF_ADASUM_LIBRARY, else the library built into this package."""
-    return Path(path or settings.library_override() or LIBRARY_PATH).resolve()
+    """`path`, else $TF_ADASUM_LIBRARY, else this package's adapter for the running TensorFlow."""
+    return Path(path or settings.library_override() or PACKAGE / adapter_name(tf.__version__)).resolve()
+
+
+def built_for_tensorflow(path: Path) -> str:
+    """The TensorFlow release the adapter at `path` was built for, read without loading it."""
+    match = _MARKER.search(path.read_bytes())
+    return match.group(1).decode() if match else "an unknown release"
 
 
 def built_with_cuda(path: str | os.PathLike[str] | None = None) -> bool:
@@ -44,14 +73,15 @@ def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
     """Loads the compiled ops, checking that they were built for the running TensorFlow.
 
     Args:
-        path: the shared library; default `tf_adasum/_adasum_ops.so`, or `$TF_ADASUM_LIBRARY`.
+        path: the adapter library; default this package's for the running TensorFlow, or
+            `$TF_ADASUM_LIBRARY`. The core must be beside it.
 
     Returns:
         The op module from `tf.load_op_library`.
 
     Raises:
-        ImportError: the library is missing, was built for another TensorFlow, or fails to load.
-            The message names the path and how to rebuild.
+        ImportError: the library is missing, was built for another TensorFlow release, or fails to
+            load. The message names the path, the releases the package serves, and how to build.
     """
     return _load(library_path(path))
 
@@ -59,12 +89,24 @@ def load_library(path: str | os.PathLike[str] | None = None) -> ModuleType:
 @functools.cache
 def _load(path: Path) -> ModuleType:
     if not path.is_file():
+        served = served_releases(path.parent)
+        if served:
+            raise ImportError(
+                f"tf_adasum has no op library for TensorFlow {tf.__version__}, which is running: "
+                f"{path.parent} serves TensorFlow {', '.join(served)}. Install one of those releases, "
+                f"or {REBUILD_HINT}"
+            )
         raise ImportError(f"tf_adasum's compiled ops are missing: {path} does not exist; {REBUILD_HINT}")
+    if not (path.parent / CORE).is_file():
+        raise ImportError(
+            f"tf_adasum's compiled core is missing: {path.parent / CORE} does not exist beside {path.name}; "
+            f"{REBUILD_HINT}"
+        )
     # Read the version marker without loading the library: a library built for another TensorFlow
-    # can fail to load with an unhelpful symbol error, or load and crash later.
-    match = _MARKER.search(path.read_bytes())
-    built_for = match.group(1).decode() if match else "an unknown version"
-    if built_for != tf.__version__:
+    # release can fail to load with an unhelpful symbol error, or load and crash later. Patch releases
+    # of one minor release keep its ABI.
+    built_for = built_for_tensorflow(path)
+    if built_for.split(".")[:2] != tf.__version__.split(".")[:2]:
         raise ImportError(
             f"{path} was built for TensorFlow {built_for} but TensorFlow {tf.__version__} is running; "
             f"{REBUILD_HINT}"
