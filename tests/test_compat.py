@@ -13,6 +13,7 @@ import tomllib
 from keras.src import optimizers as keras_optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
 from keras.src.losses import loss as keras_loss_module
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
@@ -70,6 +71,7 @@ REMOVALS = [
     ("_create_device_dataset", lambda mp: mp.delattr(multi_device_iterator_ops, "_create_device_dataset")),
     ("_maybe_symbolic_build", lambda mp: mp.delattr(TensorFlowTrainer, "_maybe_symbolic_build")),
     ("profiler.trace.enabled", lambda mp: mp.delattr(profiler_trace, "enabled")),
+    ("profiler.trace.enabled", lambda mp: mp.setattr(profiler_trace, "enabled", "on")),
     ("context.abort_collective_ops", lambda mp: mp.delattr(eager_context.Context, "abort_collective_ops")),
     ("coordination service", lambda mp: mp.delattr(eager_context.Context, "coordination_service")),
     (
@@ -82,6 +84,13 @@ REMOVALS = [
     ),
     ("tf.nn.compute_average_loss", lambda mp: mp.delattr(tf.nn, "compute_average_loss")),
     ("epoch iterators", lambda mp: mp.setattr(EpochIterator, "_enumerate_iterator", lambda self: iter(()))),
+    ("_iterations", lambda mp: mp.setattr(BaseOptimizer, "apply", lambda self, grads, variables=None: None)),
+    ("moving average", lambda mp: mp.delattr(BaseOptimizer, "_update_model_variables_moving_average")),
+    (
+        "moving average",
+        lambda mp: mp.setattr(TFOptimizer, "_backend_apply_gradients", lambda self, g, v: None),
+    ),
+    ("moving average", lambda mp: mp.setattr(SwapEMAWeights, "_tf_swap_variables", lambda self, o: None)),
     ("optimizer variables", lambda mp: mp.delattr(BaseOptimizer, "_get_variable_index")),
     ("optimizer variables", lambda mp: mp.setattr(BaseOptimizer, "build", lambda self, variables: None)),
     ("distributed dataset iterators", lambda mp: mp.delattr(input_lib.DistributedDataset, "__iter__")),
@@ -121,7 +130,22 @@ def test_a_removed_hook_is_named_at_import_and_refused_on_use(
     if hook in _compat.required_hooks():
         with pytest.raises(tf_adasum.HookError, match="tf_adasum cannot run safely with Keras") as raised:
             _compat.require(hook)
-        assert found in str(raised.value) and "keras>=3.15,<3.16" in str(raised.value)
+        first, last = _compat.TESTED_KERAS
+        assert found in str(raised.value) and f"keras>={first},<{last}" in str(raised.value)
+
+
+def test_the_profiler_flag_of_tensorflow_2_16_to_2_20_is_read_at_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tf_adasum._compat import profiler
+
+    # TensorFlow 2.16 to 2.20 keep a module flag that the profiler's C++ sets; 2.21 a function.
+    monkeypatch.setattr(profiler_trace, "enabled", False)
+    assert _compat.hook_problem("profiler.trace.enabled") is None
+    recording = profiler._reader()
+    assert recording() is False
+    monkeypatch.setattr(profiler_trace, "enabled", True)  # the profiler starts
+    assert recording() is True
 
 
 def test_without_the_loss_scale_hook_the_callback_and_allreduce_optimizer_refuse_to_start(
@@ -151,6 +175,15 @@ def test_without_the_gradient_sum_hook_adasum_optimizer_refuses_to_start(
     monkeypatch.delattr(TFOptimizer, "_all_reduce_sum_gradients")
     with pytest.raises(tf_adasum.HookError, match="would sum gradients across replicas"):
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
+
+
+def test_without_the_moving_average_hook_only_an_optimizer_with_use_ema_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(BaseOptimizer, "_update_model_variables_moving_average")
+    with pytest.raises(tf_adasum.HookError, match="each replica would average its own weights"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(use_ema=True))
+    tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
 
 
 def test_when_compile_stops_resolving_optimizers_adasum_strategy_refuses_to_start(
@@ -188,9 +221,15 @@ def test_keras_optimizers_get_is_replaced_once_public_and_private_alike() -> Non
 
 def test_a_keras_or_tensorflow_outside_the_tested_range_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(keras, "__version__", "3.16.0")
-    assert _compat.untested_versions() == ["Keras 3.16.0 (tested: >=3.15, <3.16)"]
-    with pytest.warns(UserWarning, match=r"not tested with Keras 3\.16\.0 \(tested: >=3\.15, <3\.16\)"):
+    assert _compat.untested_versions() == ["Keras 3.16.0 (tested: >=3.10, <3.16)"]
+    with pytest.warns(UserWarning, match=r"not tested with Keras 3\.16\.0 \(tested: >=3\.10, <3\.16\)"):
         _compat.warn_at_import()
+    monkeypatch.setattr(keras, "__version__", "3.9.2")
+    monkeypatch.setattr(tf, "__version__", "2.15.1")
+    assert _compat.untested_versions() == [
+        "TensorFlow 2.15.1 (tested: >=2.16, <2.22)",
+        "Keras 3.9.2 (tested: >=3.10, <3.16)",
+    ]
 
 
 def test_the_package_metadata_bounds_are_the_tested_ranges() -> None:

@@ -118,6 +118,13 @@ def findings(package: Path, import_modules: bool = True) -> list[str]:
     return found
 
 
+def fenced(value: object) -> bool:
+    """Whether a class attribute was put there by the fence (a hook of tf_adasum/_compat/, checked at
+    import), such as a property its function defines."""
+    function = getattr(value, "fget", value)
+    return getattr(function, "__module__", "").startswith(f"tf_adasum.{FENCED}.")
+
+
 def _class_findings(path: Path, package: Path, tree: ast.Module, where: Path) -> list[str]:
     """Private names of Keras and TensorFlow classes that a class of this module defines or uses."""
     module = importlib.import_module(module_of(path, package))
@@ -129,7 +136,7 @@ def _class_findings(path: Path, package: Path, tree: ast.Module, where: Path) ->
         if not isinstance(cls, type) or not any(foreign(b) for b in cls.__mro__[1:]):
             continue
         theirs = foreign_private_names(cls)
-        for name in sorted(n for n in vars(cls) if private(n) and n in theirs):
+        for name in sorted(n for n in vars(cls) if private(n) and n in theirs and not fenced(vars(cls)[n])):
             found.append(f"{where}: {node.name} defines {name}, a private name of the class it is built on")
         for inner in ast.walk(node):
             if (

@@ -69,10 +69,12 @@ FLOORS: list[list[str]] = [
     ["comm.engine"],
     # the public collectives; Horovod's process sets; elastic state
     ["distributed", "_horovod.process_sets", "elastic.state"],
-    # the model sync; Keras state processes share; BatchNorm over processes; TensorFlow and Keras elastic
-    # state; Horovod's argument rules; two callbacks that need only the collectives
+    # the model sync; Keras's optimizer options under it; Keras state processes share; BatchNorm over
+    # processes; TensorFlow and Keras elastic state; Horovod's argument rules; two callbacks that need
+    # only the collectives
     [
         "training.model_sync",
+        "training.optimizer_options",
         "training.keras_consensus",
         "training.sync_batch_norm",
         "elastic.keras",

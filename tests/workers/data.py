@@ -7,6 +7,7 @@ initial weights loops_across_processes.py shares), loops_across_processes.py, ho
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,59 @@ def batch(rank: int) -> np.ndarray:
     """Rank r's SyncBatchNormalization batch: 3 + r rows of 3 channels, far from zero mean."""
     rng = np.random.default_rng(300 + rank)
     return (rng.standard_normal((3 + rank, 3)) * [1.0, 5.0, 0.1] + [4.0, -2.0, 100.0]).astype(np.float32)
+
+
+# optimizer_options.py (and tests/test_optimizer_options.py in one process): each Keras optimizer option,
+# a case each. Replica (or process) r takes rows (s * p + r) * OPTION_LOCAL, ... of
+# tests/support/training.py's problem at step s of each epoch.
+
+OPTION_LR, OPTION_SECOND_LR, OPTION_EMA_MOMENTUM = 0.1, 0.05, 0.5
+OPTION_LOCAL, OPTION_STEPS, OPTION_EPOCHS = (
+    4,
+    2,
+    2,
+)  # rows a replica takes a step; steps an epoch; epochs a fit
+
+
+@dataclass(frozen=True)
+class Case:
+    """One option (or two together) and how a fit sets it up."""
+
+    sgd: dict[str, Any] = field(default_factory=dict)  # keras.optimizers.SGD's options
+    schedule: bool = False  # learning_rate=ExponentialDecay(OPTION_LR, 2, 0.5)
+    exclude: tuple[str, ...] = ()  # exclude_from_weight_decay(var_names=...)
+    sync_every: int = 1
+    loss_scale: bool = False  # a LossScaleOptimizer around the optimizer that syncs
+    two_optimizers: bool = False  # a train_step that steps the bias with a second SGD(OPTION_SECOND_LR)
+    swap: bool = False  # SwapEMAWeights, with validation at each epoch's end
+    under_a_strategy: bool = True  # AdasumStrategy runs it; False: refuses it at compile
+
+    @property
+    def accumulation(self) -> int:
+        return int(self.sgd.get("gradient_accumulation_steps") or 1)
+
+    @property
+    def ema(self) -> bool:
+        return bool(self.sgd.get("use_ema"))
+
+
+EMA_OPTIONS = {"use_ema": True, "ema_momentum": OPTION_EMA_MOMENTUM}
+OPTION_CASES = {
+    "clipnorm": Case({"clipnorm": 0.05}),
+    "clipvalue": Case({"clipvalue": 0.02}),
+    "global_clipnorm": Case({"global_clipnorm": 0.05}),
+    "weight_decay": Case({"weight_decay": 0.5}, exclude=("bias",)),
+    "schedule": Case(schedule=True),
+    "loss_scale": Case(loss_scale=True),
+    "two_optimizers": Case(two_optimizers=True),
+    "ema": Case(EMA_OPTIONS, swap=True),
+    "ema_loss_scale": Case(EMA_OPTIONS, loss_scale=True, swap=True),
+    "ema_overwrite": Case({**EMA_OPTIONS, "ema_overwrite_frequency": 2}, under_a_strategy=False),
+    "accumulation": Case({"gradient_accumulation_steps": 2}, under_a_strategy=False),
+    "accumulation_sync_every_2": Case(
+        {"gradient_accumulation_steps": 2}, sync_every=2, under_a_strategy=False
+    ),
+    "ema_accumulation": Case(
+        {**EMA_OPTIONS, "gradient_accumulation_steps": 2}, swap=True, under_a_strategy=False
+    ),
+}

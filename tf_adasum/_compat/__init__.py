@@ -16,14 +16,16 @@ No other module of tf_adasum touches a private Keras or TensorFlow name (tests/t
 
 The hooks, by module:
 - optimizers.py: `optimizers.get`, `_all_reduce_sum_gradients`, `Optimizer.apply`,
-  `_distribution_strategy`, `LossScaleOptimizer.check_finite`, `optimizer variables`;
+  `_distribution_strategy`, `LossScaleOptimizer.check_finite`, `optimizer variables`, `_iterations`,
+  `moving average`;
 - trainer.py: `train_step / test_step`, `_maybe_symbolic_build`, `epoch iterators`;
 - distribute.py: `distributed dataset iterators`, `MirroredExtended._batch_reduce_to`,
   `_create_device_dataset`;
 - tracking.py: `tracking` (tf.__internal__.tracking, for checkpoints of every replica's state);
 - layers.py: `BatchNormalization._moments` (and `_reduction_axes`);
 - losses.py: `loss scaling for distribution`, `tf.nn.compute_average_loss`;
-- profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records);
+- profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records: a function in
+  TensorFlow 2.21, a module flag in 2.16 to 2.20);
 - numpy_views.py: numpy views of eager tensors (checked on first use).
 
 This package sits at the bottom of tf_adasum: it imports nothing of it but its errors. tf_adasum's own
@@ -43,6 +45,7 @@ from tf_adasum._compat.layers import BatchNormalizationMoments
 from tf_adasum._compat.losses import install_loss_scaling
 from tf_adasum._compat.numpy_views import numpy_views_share_memory, writable_view
 from tf_adasum._compat.optimizers import (
+    applies,
     disable_gradient_sum,
     install_global_loss_scale_finiteness,
     install_gradient_sum_guard,
@@ -50,6 +53,8 @@ from tf_adasum._compat.optimizers import (
     install_optimizer_get,
     loss_scale_inner,
     own_variables,
+    running_before_the_moving_average,
+    show_moving_averages,
     strategy_of,
     track,
     trainable_variables_of,
@@ -83,6 +88,7 @@ __all__ = [
     "TESTED_TENSORFLOW",
     "BatchNormalizationMoments",
     "abort_collectives",
+    "applies",
     "checkpoints_only",
     "coordination_service_on",
     "disable_gradient_sum",
@@ -109,6 +115,8 @@ __all__ = [
     "require",
     "require_tensorflow_backend",
     "required_hooks",
+    "running_before_the_moving_average",
+    "show_moving_averages",
     "strategy_of",
     "tensors_checkpoint",
     "track",

@@ -20,12 +20,21 @@
     BaseOptimizer's own variable lists and index (`_variables`, `_trainable_variables`,
     `_get_variable_index`), which the wrappers read to find a variable's slots, and the tracking of a
     child (`_track_trackable`), through which checkpoints find the inner optimizer.
+`_iterations`
+    BaseOptimizer's count of its applies. With gradient_accumulation_steps, Keras's `iterations` counts
+    only the updates; the syncs are timed by every apply, as the learning-rate schedule is.
+`moving average`
+    BaseOptimizer's update of the moving average of the weights (use_ema), called in its step after the
+    update: tf_adasum runs the sync just before it, so that the average follows the synced weights; and
+    where SwapEMAWeights looks for the averages (`_model_variables_moving_average`), one wrapper deep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -44,6 +53,12 @@ def _base_optimizer() -> Any:
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     return BaseOptimizer
+
+
+def _swap_ema_weights() -> Any:
+    from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
+
+    return SwapEMAWeights
 
 
 def _loss_scale_optimizer() -> Any:
@@ -274,3 +289,116 @@ def variable_index(optimizer: Any, variable: Any) -> int:
 def track(parent: Any, child: Any, name: str) -> None:
     """Makes tf.train.Checkpoint save `child` under `parent` as `name` (replacing one there)."""
     parent._track_trackable(child, name=name, overwrite=True)
+
+
+# --- _iterations -------------------------------------------------------------------------------------
+
+
+@register("_iterations", "with gradient_accumulation_steps, the syncs would come at the wrong steps")
+def _check_applies() -> str | None:
+    base = _base_optimizer()
+    if not (uses(base.__init__, "_iterations") and uses(base.apply, "_iterations")):
+        return "BaseOptimizer no longer counts its applies in _iterations"
+    return None
+
+
+def applies(optimizer: Any) -> Any:
+    """The variable that counts an optimizer's applies: every step, also those that only accumulate a
+    gradient (Keras's `iterations` divides it by gradient_accumulation_steps)."""
+    return optimizer._iterations
+
+
+# --- moving average -----------------------------------------------------------------------------------
+
+
+@register(
+    "moving average",
+    "with use_ema, each replica would average its own weights before the sync",
+    required=False,
+)
+def _check_moving_average() -> str | None:
+    base, tf_optimizer = _base_optimizer(), _tf_optimizer()
+    if not callable(getattr(base, "_update_model_variables_moving_average", None)):
+        return "BaseOptimizer has no _update_model_variables_moving_average"
+    if not uses(base._backend_apply_gradients, "_update_model_variables_moving_average"):
+        return "BaseOptimizer._backend_apply_gradients no longer updates the moving average"
+    overridden = [
+        name
+        for name in ("_backend_apply_gradients", "_update_model_variables_moving_average")
+        if name in vars(tf_optimizer)
+    ]
+    if overridden:
+        return f"TFOptimizer overrides {', '.join(overridden)}"
+    if not uses(base.build, "_model_variables_moving_average"):
+        return "BaseOptimizer.build no longer keeps the averages in _model_variables_moving_average"
+    if not uses(_swap_ema_weights()._tf_swap_variables, "_model_variables_moving_average"):
+        return "SwapEMAWeights no longer reads _model_variables_moving_average"
+    return None
+
+
+class BeforeTheAverage:
+    """What runs once just before Keras updates an optimizer's moving average; `ran` says if it did."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.ran = False
+
+
+class _Pending(threading.local):
+    def __init__(self) -> None:
+        self.by_optimizer: dict[int, BeforeTheAverage] = {}
+
+
+_PENDING = _Pending()
+_installing = threading.Lock()  # a strategy's replica threads reach their first step at once
+
+
+@contextlib.contextmanager
+def running_before_the_moving_average(optimizer: Any, run: Callable[[], None]) -> Iterator[BeforeTheAverage]:
+    """While it lasts, on this thread: when `optimizer` (use_ema) updates its moving average of the
+    weights, in its step after the update of the weights, it calls run() first, once.
+
+    Per thread, so that each replica's thread of a MirroredStrategy step runs its own.
+    """
+    require("moving average")
+    _install_before_the_average()
+    pending = BeforeTheAverage(run)
+    _PENDING.by_optimizer[id(optimizer)] = pending
+    try:
+        yield pending
+    finally:
+        _PENDING.by_optimizer.pop(id(optimizer), None)
+
+
+def _install_before_the_average() -> None:
+    """Makes BaseOptimizer's moving-average update run what running_before_the_moving_average asked
+    first, once per process."""
+    base = _base_optimizer()
+    with _installing:
+        before = base._update_model_variables_moving_average
+        if replaced(before):
+            return
+
+        @functools.wraps(before)
+        def update(self: Any, trainable_variables: Any) -> Any:
+            pending = _PENDING.by_optimizer.pop(id(self), None)
+            if pending is not None:
+                pending.ran = True
+                pending.run()
+            return before(self, trainable_variables)
+
+        base._update_model_variables_moving_average = mark(update, before)
+
+
+def show_moving_averages(wrapper_class: type, inner_of: Callable[[Any], Any]) -> None:
+    """Gives a wrapper class the moving averages of the optimizer it wraps where Keras's SwapEMAWeights
+    looks for them. SwapEMAWeights looks one wrapper deep, so that it finds them in
+    LossScaleOptimizer(AdasumOptimizer(SGD(use_ema=True))) only through this; an optimizer without
+    averages gives none (AttributeError), as Keras's own."""
+    if hook_problem("moving average") is not None:
+        return
+
+    def averages(self: Any) -> Any:
+        return inner_of(self)._model_variables_moving_average
+
+    wrapper_class._model_variables_moving_average = property(averages)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsu
 from tf_adasum._horovod.compression import Compression, check_compressor
 from tf_adasum.comm import engine
 from tf_adasum.distributed import Adasum, Average
-from tf_adasum.training import model_sync
+from tf_adasum.training import model_sync, optimizer_options
 from tf_adasum.training.allreduce_optimizer import AllreduceOptimizer
 from tf_adasum.training.optimizer import AdasumOptimizer
 
@@ -43,7 +43,9 @@ def DistributedOptimizer(
         compression: Compression.none or Compression.fp16.
         sparse_as_dense: accepted; sparse (IndexedSlices) gradients are always made dense.
         op: Average or Sum all-reduce the gradients before the optimizer; Adasum combines the model
-            deltas after it (the paper's method), every `backward_passes_per_step` local steps.
+            deltas after it (the paper's method), every `backward_passes_per_step` local steps. With
+            op=Adasum the optimizer's options keep their one-worker meaning
+            (docs/training/optimizer-options.md).
         backward_passes_per_step: with op=Adasum, the local steps between two syncs (each local step
             applies its own gradient); with Average/Sum, Horovod's gradient accumulation: the passes'
             gradients summed locally, then all-reduced once and applied.
@@ -63,7 +65,8 @@ def DistributedOptimizer(
 
     Raises:
         NotImplementedError: an argument that tf_adasum does not implement, named.
-        ValueError: an unknown op, or a bad backward_passes_per_step.
+        ValueError: an unknown op, a bad backward_passes_per_step, or with op=Adasum an optimizer
+            option that cannot keep its meaning (use_ema with backward_passes_per_step > 1).
     """
     where = "DistributedOptimizer"
     unsupported(where, use_locking=(use_locking, False), device_dense=(device_dense, ""))
@@ -88,6 +91,8 @@ def DistributedOptimizer(
                 "each of the backward_passes_per_step passes is a local step of its own, and nothing is "
                 "aggregated to average; leave average_aggregated_gradients False"
             )
+        # Named as the script names it: use_ema with backward_passes_per_step > 1 is refused.
+        optimizer_options.check(optimizer, backward_passes_per_step, "backward_passes_per_step")
         return AdasumOptimizer(
             optimizer, sync_every=backward_passes_per_step, name=name, compression=compression.name
         )

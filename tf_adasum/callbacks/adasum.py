@@ -10,7 +10,7 @@ import tensorflow as tf
 from tf_adasum import _compat, distributed
 from tf_adasum.callbacks.batches import CountsBatches, retrace_with, retrace_without
 from tf_adasum.common.variables import tf_variable
-from tf_adasum.training import model_sync
+from tf_adasum.training import model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import (
     agree_at_epoch_end,
     broadcast_model_and_optimizer,
@@ -37,7 +37,11 @@ class AdasumCallback(CountsBatches):
 
     The model keeps the optimizer you compiled it with: during `fit` its `apply` is extended with the
     sync, and after `fit` it is the plain optimizer again, so the model saves and loads without
-    tf_adasum (a checkpoint written during `fit` holds it too).
+    tf_adasum (a checkpoint written during `fit` holds it too). Its options keep their one-worker
+    meaning (docs/training/optimizer-options.md): with use_ema the moving average follows the synced
+    weights; with gradient_accumulation_steps each process accumulates its own gradients and the sync
+    comes with every `sync_every`-th update. A second optimizer stepping in a custom train step must be
+    a tf_adasum.AdasumOptimizer: a plain one is refused at the first step.
 
     Under the TF engine (tf_adasum.run, horovodrun's Gloo mode, TF_CONFIG), TensorFlow's collective
     runtime must start before the first op: `import tf_adasum` does that for processes started by
@@ -49,7 +53,8 @@ class AdasumCallback(CountsBatches):
 
     Raises:
         ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
-            AdasumStrategy), or an optimizer that already combines across processes.
+            AdasumStrategy), an optimizer that already combines across processes, use_ema with
+            sync_every > 1, or a second plain optimizer in the train step.
         UnevenDataError: the processes would run different numbers of batches.
         NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
         PeerError: a process died or stopped answering.
@@ -62,7 +67,7 @@ class AdasumCallback(CountsBatches):
         super().__init__()
         model_sync.check_sync_every(sync_every)
         # Mixed precision's skip decision must be global, and errors inside steps translated.
-        _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step")
+        _compat.require("LossScaleOptimizer.check_finite", "train_step / test_step", "_iterations")
         if not isinstance(root, int) or root < 0:
             raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
         self.sync_every = sync_every
@@ -94,17 +99,19 @@ class AdasumCallback(CountsBatches):
                 "only in its first step), so there is nothing to combine: give it one, "
                 "keras.Sequential([keras.Input(shape), ...]), or call model.build(input_shape) before fit"
             )
+        optimizer_options.check(stepping, self.sync_every)
         if not optimizer.built:
             optimizer.build(variables)
-        # The window's anchors (model_sync.start_window) and, with sync_every > 1, the weights as the last
-        # step left them, outside the optimizer so that it saves as the user's own. Each fit starts a window
-        # at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
+        # The window's anchors (model_sync.start_window) and, with windows of several steps, the weights as
+        # the last step left them, outside the optimizer so that it saves as the user's own. Each fit starts
+        # a window at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
         self._anchors = [
             tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
         ]
+        every = optimizer_options.sync_period(stepping, self.sync_every)
         lasts = (
             [tf.Variable(tf_variable(v), trainable=False, name="adasum_last") for v in variables]
-            if self.sync_every > 1
+            if every > 1
             else None
         )
         self._lasts = lasts
@@ -112,14 +119,18 @@ class AdasumCallback(CountsBatches):
         # skips the sync too. The skip is decided on every process at once (optimizer.finite_everywhere),
         # since the sync is a collective.
         anchors, local_step = self._anchors, stepping.apply
-        every, distribution = self.sync_every, tf.distribute.get_strategy()
+        distribution = tf.distribute.get_strategy()
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
-            model_sync.start_window(variables, anchors, stepping.iterations, every, lasts)
-            local_step(grads, trainable_variables)
-            stats = model_sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
-            model_sync.sync_if_due(distribution, variables, anchors, stepping.iterations, every, stats=stats)
-            model_sync.record_lasts(variables, lasts)
+            before = optimizer_options.steps_so_far(stepping)
+            model_sync.start_window(variables, anchors, before, every, lasts)
+
+            def sync() -> None:
+                stats = model_sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
+                model_sync.sync_if_due(distribution, variables, anchors, before + 1, every, stats=stats)
+                model_sync.record_lasts(variables, lasts)
+
+            optimizer_options.step_then_sync(stepping, lambda: local_step(grads, trainable_variables), sync)
 
         setattr(apply_then_sync, model_sync.SYNCS, True)
         stepping.apply = apply_then_sync

@@ -67,6 +67,13 @@ class AllreduceOptimizer(WrappedOptimizer):
         self.backward_passes_per_step = model_sync.check_positive_integer(
             "backward_passes_per_step", backward_passes_per_step
         )
+        accumulation = getattr(inner, "gradient_accumulation_steps", None)
+        if self.backward_passes_per_step > 1 and accumulation:
+            raise ValueError(
+                f"AllreduceOptimizer(backward_passes_per_step={self.backward_passes_per_step}) accumulates "
+                f"the gradients itself, and optimizer {inner.name!r} has gradient_accumulation_steps="
+                f"{accumulation} too: use one of the two"
+            )
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.scale_local_gradients = bool(scale_local_gradients)
         self.groups = groups

@@ -1,9 +1,10 @@
 """The model sync every entry point runs: anchor + Adasum(deltas) every k steps, and what goes with it.
 
 AdasumOptimizer, AdasumCallback (and so tf_adasum.keras's DistributedOptimizer(op=Adasum)) and
-AdasumStrategy all open their optimizer step with start_window and end it in sync_if_due: every
-`sync_every` steps the deltas of every replica since the window's first step are combined by the
-contract tree over every replica of every process, and every replica takes anchor + the combined
+AdasumStrategy all open their optimizer step with start_window and end it in sync_if_due (with use_ema,
+just before the moving average: optimizer_options.step_then_sync): every `sync_every` steps (with
+gradient accumulation, updates) the deltas of every replica since the window's first step are combined
+by the contract tree over every replica of every process, and every replica takes anchor + the combined
 delta. The anchors are taken from the weights at the window's first step, and again wherever
 something other than the optimizer wrote a weight (set_weights, assign, a restore), so the combined
 update is always the sum of the optimizer's own steps. Also here: the statistics

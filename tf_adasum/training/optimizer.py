@@ -12,6 +12,8 @@ This is the paper's "Adasum after the optimizer update" (arXiv 2006.02924, Figur
    combined with the contract tree over every replica of every process (model_sync.sync_if_due); every
    replica then holds `w_anchor + adasum(deltas)`, bitwise identical. The anchors are the weights at the
    window's first step, or where anything but the optimizer wrote them since (model_sync.start_window).
+   With the inner optimizer's use_ema the sync runs inside its step, just before Keras updates the moving
+   average, which then follows the synced weights (optimizer_options.step_then_sync).
 
 Each local step is exactly a single-worker step on that replica's batch, however the loss was built and
 scaled (tf_adasum/training/loss_scaling.py).
@@ -34,7 +36,7 @@ from tf_adasum import _compat
 from tf_adasum.algorithm.compression import check_compression
 from tf_adasum.algorithm.tensor_lists import dense
 from tf_adasum.common.variables import have_values, tf_variable
-from tf_adasum.training import loss_scaling, model_sync
+from tf_adasum.training import loss_scaling, model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import broadcast_variables
 from tf_adasum.training.replica_optimizer_state import ReplicaState
 
@@ -181,6 +183,11 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
+# Keras's SwapEMAWeights finds the inner optimizer's moving averages in a LossScaleOptimizer around a
+# wrapper too (mixed precision under AdasumStrategy), as it does around a plain optimizer.
+_compat.show_moving_averages(WrappedOptimizer, lambda wrapper: wrapper.inner_optimizer)
+
+
 def build_before_the_trace(model: Any) -> None:
     """Builds a model's tf_adasum optimizer eagerly before Keras makes its train function, where fit runs
     without a strategy (DistributedOptimizer in Horovod's recipe) and the model's weights exist.
@@ -214,15 +221,19 @@ class AdasumOptimizer(WrappedOptimizer):
 
     Args:
         inner: any Keras 3 optimizer (SGD with momentum, Adam, AdamW, Lamb, ...). Its learning-rate
-            schedule, clipping and weight decay apply in each local step.
-        sync_every: how many local steps each replica takes between two Adasum combinations.
+            schedule, clipping and weight decay apply in each local step; its moving average (use_ema)
+            follows the synced weights (docs/training/optimizer-options.md has each option's rule).
+        sync_every: how many local steps each replica takes between two Adasum combinations (with
+            the inner optimizer's gradient_accumulation_steps, how many of its updates).
         name: optional name; default "adasum_<inner name>".
         root: across processes, the rank whose initial weights every process starts from.
         compression: "none", or "fp16" to send float32/float64 deltas across processes as float16.
 
     Raises:
         TypeError: `inner` is not a Keras optimizer.
-        ValueError: `sync_every` is not a positive integer, or `inner` is already wrapped.
+        ValueError: `sync_every` is not a positive integer, `inner` is already wrapped, or one of its
+            options cannot keep its meaning here (use_ema with sync_every > 1; under a tf.distribute
+            strategy, gradient_accumulation_steps or ema_overwrite_frequency).
 
     Examples:
         >>> model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3)), loss=...)
@@ -241,6 +252,7 @@ class AdasumOptimizer(WrappedOptimizer):
         _compat.require()
         super().__init__(inner, name=name or f"adasum_{getattr(inner, 'name', 'optimizer')}")
         self.sync_every = model_sync.check_sync_every(sync_every)
+        optimizer_options.check(inner, self.sync_every)
         self.root = root
         self.compression = check_compression(compression)
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
@@ -275,7 +287,7 @@ class AdasumOptimizer(WrappedOptimizer):
         # re-anchors. Saved with the optimizer, so that a restore mid-window resumes the window.
         self._lasts = (
             [self.add_variable_from_reference(v, name="adasum_last", initializer="zeros") for v in var_list]
-            if self.sync_every > 1
+            if optimizer_options.sync_period(self.inner_optimizer, self.sync_every) > 1
             else []
         )
         super().build(var_list)
@@ -355,21 +367,26 @@ class AdasumOptimizer(WrappedOptimizer):
         indices = [_compat.variable_index(self, v) for v in variables]
         anchors = [self._anchors[i] for i in indices]
         lasts = [self._lasts[i] for i in indices] if self._lasts else None
-        iterations, every = self.inner_optimizer.iterations, self.sync_every
+        inner = self.inner_optimizer
+        every = optimizer_options.sync_period(inner, self.sync_every)
+        before = optimizer_options.steps_so_far(inner)
         if self._broadcast_owed or self in _BROADCAST_DONE:  # the first step, or its retraces
             context.merge_call(self._broadcast_at_the_first_step, args=(variables,))
-        context.merge_call(lambda _: model_sync.start_window(variables, anchors, iterations, every, lasts))
-        with self._stepping():
-            self.inner_optimizer.apply(grads, trainable_variables)
+        context.merge_call(lambda _: model_sync.start_window(variables, anchors, before, every, lasts))
 
         def sync_then_record(distribution: Any) -> None:
             stats = model_sync.sync_stats(self)
             model_sync.sync_if_due(
-                distribution, variables, anchors, iterations, every, self.compression, stats
+                distribution, variables, anchors, before + 1, every, self.compression, stats
             )
             model_sync.record_lasts(variables, lasts)
 
-        context.merge_call(sync_then_record)
+        with self._stepping():
+            optimizer_options.step_then_sync(
+                inner,
+                lambda: inner.apply(grads, trainable_variables),
+                lambda: context.merge_call(sync_then_record),
+            )
 
     _REPLICA_KEY = "replicas_of_inner_"
 

@@ -33,7 +33,7 @@ from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
 from tf_adasum.common.errors import HookError
 from tf_adasum.common.variables import have_values
-from tf_adasum.training import loss_scaling, model_sync
+from tf_adasum.training import loss_scaling, model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import (
     average_logs,
     average_state_over_processes,
@@ -132,11 +132,15 @@ def losses_unscaled_for(model: Any) -> contextlib.AbstractContextManager[Any]:
     """The context a Keras train function of `model` runs in (tf_adasum/__init__.py installs it): where
     the model runs Adasum (under an AdasumStrategy, or with an AdasumOptimizer under any strategy),
     Keras's loss scaling by the number of replicas is off, so each replica steps on its own loss
-    (tf_adasum/training/loss_scaling.py)."""
+    (tf_adasum/training/loss_scaling.py). Where AdasumCallback syncs through the model's optimizer (no
+    strategy, a plain optimizer: the two never meet), the step is marked as the callback's, so that a
+    second plain optimizer stepping in it is refused (optimizer_options.refuse_unsynced_optimizer)."""
     strategy = getattr(model, "distribute_strategy", None)
     stepping = _compat.loss_scale_inner(getattr(model, "optimizer", None))
     if isinstance(strategy, AdasumStrategy) or isinstance(stepping, AdasumOptimizer):
         return loss_scaling.keras_losses_unscaled(strategy)
+    if model_sync.extended_by_callback(stepping):
+        return optimizer_options.callback_steps(stepping)
     return contextlib.nullcontext()
 
 
@@ -149,10 +153,13 @@ def adasum_for(optimizer: Any, trainable_variables: Any) -> WrappedOptimizer | N
     - Under an AdasumStrategy, in replica context (inside strategy.run), a plain optimizer's step would
       be MirroredStrategy's mean of gradients; it runs as the inner step of an AdasumOptimizer instead,
       created on the optimizer's first step.
+    - In a train step AdasumCallback syncs through the model's optimizer (losses_unscaled_for marks it),
+      another plain optimizer's step is refused (optimizer_options.refuse_unsynced_optimizer).
     """
     wrapper = WrappedOptimizer.wrapping(optimizer)
     if wrapper is not None:
         return None if wrapper.is_stepping() else wrapper
+    optimizer_options.refuse_unsynced_optimizer(optimizer)
     strategy = tf.distribute.get_strategy()
     if not isinstance(strategy, AdasumStrategy) or tf.distribute.in_cross_replica_context():
         return None
