@@ -21,8 +21,8 @@ import tensorflow as tf
 from tf_adasum.common.errors import HookError
 
 # [first, last) of the releases tf_adasum is tested with; pyproject.toml carries the same bounds.
-TESTED_TENSORFLOW = ("2.21", "2.22")
-TESTED_KERAS = ("3.15", "3.16")
+TESTED_TENSORFLOW = ("2.16", "2.22")
+TESTED_KERAS = ("3.10", "3.16")
 
 
 @dataclasses.dataclass(frozen=True)
