@@ -57,16 +57,15 @@ lint: $(STAMP)
 # workers (tests that launch jobs stay on one worker, one job at a time: tests/conftest.py); then the
 # `alone` tests, which time detection, recovery or a return, or cut links, with nothing else on the machine
 # (test_iterator_release.py first, in a process of its own: its graveyard holds no other test's iterators).
-# Last, the release matrix (tests/test_matrix.py) for the oldest and the newest TensorFlow and the Keras
-# floor; `make test-matrix` runs all of it.
+# The first part includes the release matrix (tests/test_matrix.py) for the oldest and the newest
+# TensorFlow and the Keras floor; `make test-matrix` runs all of it.
 TEST_WORKERS ?= 2
 test: build lint horovod cross-tools docs
 	status=0; \
-	$(PY) -m pytest -q -m "not alone and not matrix" -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
-		|| status=$$?; \
+	TF_ADASUM_MATRIX="$(CI_MATRIX)" \
+		$(PY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadgroup --durations=25 || status=$$?; \
 	$(PY) -m pytest -q tests/test_iterator_release.py || status=$$?; \
 	$(PY) -m pytest -q -m alone --ignore=tests/test_iterator_release.py --durations=10 || status=$$?; \
-	TF_ADASUM_MATRIX="$(CI_MATRIX)" $(PY) -m pytest -q -m matrix tests/test_matrix.py || status=$$?; \
 	exit $$status
 
 # Each entry: a TensorFlow release, and the Keras release with it where not the newest. TensorFlow 2.21

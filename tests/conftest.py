@@ -24,11 +24,15 @@ tf.config.set_logical_device_configuration(
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`'s -n), every test that launches a job runs on one worker, one at a
-    time: two jobs of several processes at once on a 2-core machine would starve each other's timeouts."""
+    time: two jobs of several processes at once on a 2-core machine would starve each other's timeouts.
+    The release matrix goes to a group of its own, beside the in-process tests: its venvs install and
+    test in one process each, and its one job is short."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        if item.get_closest_marker("multiprocess"):
+        if item.get_closest_marker("matrix"):
+            item.add_marker(pytest.mark.xdist_group("matrix"))
+        elif item.get_closest_marker("multiprocess"):
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 

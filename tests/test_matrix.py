@@ -183,7 +183,6 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
         "tf_adasum.run",
         "-np",
         "2",
-        python,
         "-m",
         "tests.workers.matrix",
         str(out),
