@@ -47,6 +47,7 @@ FLOORS: list[list[str]] = [
         "_compat.layers",
         "_compat.profiler",
         "_compat.losses",
+        "_compat.keras2",
         "algorithm.tree",
         "algorithm.agreement",
         "launch.elastic.policy",
@@ -55,10 +56,10 @@ FLOORS: list[list[str]] = [
     ],
     # the fence's face; the elastic launcher's discovery of slots; a warm process's relay
     ["_compat", "launch.elastic.discovery", "launch.relay"],
-    # the Timeline; every replica's optimizer state; the learning-rate schedule; a launch's settings
-    ["timeline", "training.replica_optimizer_state", "callbacks.learning_rate_schedule", "launch.settings"],
-    # the fused buffer; the static launch and the elastic one
-    ["algorithm.fusion", "launch.static", "launch.elastic.driver"],
+    # the Timeline; every replica's optimizer state; the Keras 3 callbacks' base; a launch's settings
+    ["timeline", "training.replica_optimizer_state", "callbacks.base", "launch.settings"],
+    # the fused buffer; the learning-rate schedule; the static launch and the elastic one
+    ["algorithm.fusion", "callbacks.learning_rate_schedule", "launch.static", "launch.elastic.driver"],
     # the algorithms on one buffer; Adasum across processes, asked of the engine; the command line
     ["algorithm.vhdd", "algorithm.fused_adasum", "launch.cli"],
     # the engines' two paths: with TensorFlow ops, and on host memory; `python -m tf_adasum.run`

@@ -24,6 +24,8 @@ The hooks, by module:
 - tracking.py: `tracking` (tf.__internal__.tracking, for checkpoints of every replica's state);
 - layers.py: `BatchNormalization._moments` (and `_reduction_axes`);
 - losses.py: `loss scaling for distribution`, `tf.nn.compute_average_loss`;
+- keras2.py: tf_keras's `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, checked
+  where tf_keras is imported (tf_keras objects are told by their class and refused by the ways in);
 - profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records: a function in
   TensorFlow 2.21, a module flag in 2.16 to 2.20);
 - numpy_views.py: numpy views of eager tensors (checked on first use).
@@ -40,6 +42,13 @@ from tf_adasum._compat.distribute import (
     hold_iterators,
     install_batch_reduction,
     quiet_per_device_iterators,
+)
+from tf_adasum._compat.keras2 import (
+    install_keras_2_gradient_sum_guard,
+    is_keras_2_function,
+    keras_2_name,
+    refuse_keras_2,
+    require_keras_3,
 )
 from tf_adasum._compat.layers import BatchNormalizationMoments
 from tf_adasum._compat.losses import install_loss_scaling
@@ -99,11 +108,14 @@ __all__ = [
     "install_global_loss_scale_finiteness",
     "install_gradient_sum_guard",
     "install_iterator_release",
+    "install_keras_2_gradient_sum_guard",
     "install_loss_scaling",
     "install_optimizer_apply",
     "install_optimizer_get",
     "install_step_hooks",
     "install_symbolic_build_mark",
+    "is_keras_2_function",
+    "keras_2_name",
     "keras_function_running",
     "keras_step",
     "loss_scale_inner",
@@ -112,7 +124,9 @@ __all__ = [
     "parse_tensor",
     "profiler_recording",
     "quiet_per_device_iterators",
+    "refuse_keras_2",
     "require",
+    "require_keras_3",
     "require_tensorflow_backend",
     "required_hooks",
     "running_before_the_moving_average",

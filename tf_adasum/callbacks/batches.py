@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from tf_adasum.callbacks.base import Callback
 from tf_adasum.training.keras_consensus import forget_agreed_epochs
 
 
@@ -21,7 +22,7 @@ def retrace_without(model: keras.Model) -> None:
     model.train_function = None
 
 
-class CountsBatches(keras.callbacks.Callback):
+class CountsBatches(Callback):
     """Counts the batches of the current epoch, for the epoch-end agreement."""
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:

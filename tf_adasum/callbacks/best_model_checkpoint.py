@@ -7,9 +7,10 @@ from typing import Any
 import keras
 
 from tf_adasum import distributed
+from tf_adasum.callbacks.base import Callback
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(Callback, keras.callbacks.ModelCheckpoint):
     """Horovod's BestModelCheckpoint: a ModelCheckpoint that keeps only the best model so far
     (save_best_only=True), written by rank 0 alone.
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from tf_adasum._horovod.arguments import unsupported
+from tf_adasum.callbacks.base import Callback
 from tf_adasum.training.keras_consensus import broadcast_model_and_optimizer, check_equal_steps
 from tf_adasum.training.optimizer import AdasumOptimizer
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(Callback):
     """Every process starts from rank `root_rank`'s model variables and optimizer state (Horovod's).
 
     Horovod broadcasts after the first batch, because TF1-era optimizers created their state during

@@ -9,9 +9,10 @@ from typing import Any
 import keras
 
 from tf_adasum import _compat
+from tf_adasum.callbacks.base import Callback
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Callback):
     """Sets the learning rate to `initial_lr * multiplier(epoch)` (Horovod's schedule callback).
 
     Args:

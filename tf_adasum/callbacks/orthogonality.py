@@ -5,16 +5,16 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import keras
 import numpy as np
 
 from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
+from tf_adasum.callbacks.base import Callback
 from tf_adasum.callbacks.batches import retrace_with, retrace_without
 from tf_adasum.training import model_sync
 
 
-class OrthogonalityMonitor(keras.callbacks.Callback):
+class OrthogonalityMonitor(Callback):
     """Reports, per trainable variable, how orthogonal the replicas' updates were at the last sync.
 
     The value is `|adasum(d_1, ..., d_n)|^2 / sum_i |d_i|^2` over the n replicas (of every process) and

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, distributed
+from tf_adasum.callbacks.base import Callback
 from tf_adasum.comm import engine
 from tf_adasum.common.variables import replica_values, variable_name
 from tf_adasum.elastic.state import ObjectState, State
@@ -97,6 +98,7 @@ class TensorFlowKerasState(TensorFlowState):
     every process has state to commit."""
 
     def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+        _compat.require_keras_3(model, "KerasState")
         self.model = model
         _model_and_optimizer_built(model, None)
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
@@ -121,7 +123,7 @@ class TensorFlowKerasState(TensorFlowState):
 KerasState = TensorFlowKerasState
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(Callback):
     """Commits the state every `batches_per_commit` batches and at every epoch's end (Horovod's).
 
     Put it after UpdateEpochStateCallback and UpdateBatchStateCallback, so a commit holds their counts.
@@ -152,7 +154,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(Callback):
     """Keeps `state.batch`, the number of batches of the current epoch done, and resumes there.
 
     A group that resumes at batch b > 0 of an epoch reads and drops the first b batches of that epoch
@@ -185,7 +187,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(Callback):
     """Keeps `state.epoch`, the number of epochs done over every group (Horovod's).
 
     Works with fit(..., initial_epoch=state.epoch) and with Horovod's fit(..., epochs=E - state.epoch):

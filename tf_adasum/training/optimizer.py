@@ -66,6 +66,7 @@ class WrappedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, inner: keras.optimizers.Optimizer, name: str) -> None:
         if isinstance(inner, WrappedOptimizer):
             raise ValueError(f"the inner optimizer is already a {type(inner).__name__}")
+        _compat.require_keras_3(inner, type(self).__name__)
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a Keras optimizer (keras.optimizers.Adam(...), ...), got "

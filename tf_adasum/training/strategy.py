@@ -180,6 +180,14 @@ def refuse_gradient_mean(optimizer: Any) -> None:
         )
 
 
+def _refuse_keras_2_gradient_sum(optimizer: Any) -> None:
+    """Raises where a tf_keras optimizer would sum its replicas' gradients under an AdasumStrategy (a
+    custom loop's; tf_keras's fit is refused in AdasumStrategy.run)."""
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, AdasumStrategy) and not tf.distribute.in_cross_replica_context():
+        _compat.refuse_keras_2("AdasumStrategy", f"optimizer {type(optimizer).__name__}")
+
+
 class AdasumStrategy(tf.distribute.MirroredStrategy):
     """Data parallelism over local devices (GPUs, or logical CPUs) with Adasum after the optimizer.
 
@@ -343,6 +351,9 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         return None if len(set(counts)) == 1 else [c / sum(counts) for c in counts]
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
+        if _compat.is_keras_2_function(fn):
+            _compat.refuse_keras_2("AdasumStrategy", "this model's fit, evaluate or predict")
+        _compat.install_keras_2_gradient_sum_guard(_refuse_keras_2_gradient_sum)
         step = _compat.keras_step(fn)
         running = _compat.keras_function_running()
         if step is None and running is not None:
