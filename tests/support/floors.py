@@ -101,6 +101,7 @@ FLOORS: list[list[str]] = [
         "callbacks.metric_average",
         "callbacks.orthogonality",
         "_horovod.gradient_tape",
+        "_horovod.keras2_optimizer",
     ],
     # the callbacks' face; Horovod's optimizers
     ["callbacks", "_horovod.optimizers"],

@@ -24,8 +24,9 @@ The hooks, by module:
 - tracking.py: `tracking` (tf.__internal__.tracking, for checkpoints of every replica's state);
 - layers.py: `BatchNormalization._moments` (and `_reduction_axes`);
 - losses.py: `loss scaling for distribution`, `tf.nn.compute_average_loss`;
-- keras2.py: tf_keras's `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, checked
-  where tf_keras is imported (tf_keras objects are told by their class and refused by the ways in);
+- keras2.py: tf_keras's `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, and its
+  CallbackList's questions to a callback, checked where tf_keras is imported (tf_keras objects are told by
+  their class, and refused by the ways in that do not serve them);
 - profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records: a function in
   TensorFlow 2.21, a module flag in 2.16 to 2.20);
 - numpy_views.py: numpy views of eager tensors (checked on first use).
@@ -44,6 +45,8 @@ from tf_adasum._compat.distribute import (
     quiet_per_device_iterators,
 )
 from tf_adasum._compat.keras2 import (
+    Keras2CallbackProtocol,
+    build_optimizer,
     install_keras_2_gradient_sum_guard,
     is_keras_2_function,
     keras_2_name,
@@ -96,8 +99,10 @@ __all__ = [
     "TESTED_KERAS",
     "TESTED_TENSORFLOW",
     "BatchNormalizationMoments",
+    "Keras2CallbackProtocol",
     "abort_collectives",
     "applies",
+    "build_optimizer",
     "checkpoints_only",
     "coordination_service_on",
     "disable_gradient_sum",

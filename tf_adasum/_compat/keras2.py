@@ -1,9 +1,10 @@
 """tf_keras (Keras 2, `tf.keras` under TF_USE_LEGACY_KERAS=1): telling its objects from Keras 3's, and
-the two tf_keras names tf_adasum touches.
+the tf_keras names tf_adasum touches.
 
-tf_adasum's three ways in are built on Keras 3. A tf_keras model, optimizer or callback passed to them
-would fail deep inside Keras with an error that says nothing (a missing private attribute), or, under
-AdasumStrategy, train as MirroredStrategy does, averaging gradients instead of running Adasum. So:
+The Horovod face serves tf_keras scripts; the other ways in are built on Keras 3. A tf_keras model or
+optimizer passed to those would fail deep inside Keras with an error that says nothing (a missing
+private attribute), or, under AdasumStrategy, train as MirroredStrategy does, averaging gradients
+instead of running Adasum. So:
 
 - which Keras an object belongs to is read from its class (keras_2_name), never from an environment
   variable, which only says what `tf.keras` names;
@@ -11,7 +12,11 @@ AdasumStrategy, train as MirroredStrategy does, averaging gradients instead of r
 - under AdasumStrategy, tf_keras's optimizers would sum the replicas' gradients: the guard installed by
   install_keras_2_gradient_sum_guard raises there instead (hooks `OptimizerV2._aggregate_gradients` and
   `Optimizer.aggregate_gradients` of tf_keras, checked when the guard is installed, which is only where
-  tf_keras is already imported: tf_adasum never imports it).
+  tf_keras is already imported: tf_adasum never imports it);
+- the callbacks that serve tf_keras models (the Horovod face's broadcast, metric average and learning
+  rate) answer tf_keras's CallbackList, which asks each callback which batch hooks it implements
+  (Keras2CallbackProtocol), and a tf_keras optimizer's state is built before it is broadcast
+  (build_optimizer).
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from tf_adasum.common.errors import HookError
 
 # What a user of tf.keras can do today, in every refusal.
 _WHAT_WORKS = (
-    "tf_adasum's AdasumStrategy, AdasumCallback, AdasumOptimizer and the Horovod face's Keras optimizer and "
-    "callbacks serve Keras 3 models (`import keras`, without TF_USE_LEGACY_KERAS=1). With tf_keras, a "
-    "custom loop works: tf_adasum.tensorflow's DistributedGradientTape(tape, op=Adasum), "
-    "broadcast_variables and allreduce, under `python -m tf_adasum.run` or horovodrun"
+    "With tf_keras, the Horovod face serves a script: tf_adasum.keras's DistributedOptimizer (op=Adasum, "
+    "Average or Sum), BroadcastGlobalVariablesCallback, MetricAverageCallback, the learning-rate "
+    "callbacks, and tf_adasum.tensorflow's DistributedGradientTape and collectives, under "
+    "`python -m tf_adasum.run` or horovodrun. AdasumStrategy, AdasumCallback, AdasumOptimizer and the "
+    "other callbacks serve Keras 3 models (`import keras`, without TF_USE_LEGACY_KERAS=1)"
 )
 
 # tf_keras's gradient sums across replicas: (module, class, method).
@@ -70,6 +76,58 @@ def refuse_keras_2(who: str, what: str) -> None:
         f"{who}: {what} is tf_keras's (Keras 2), which would average the replicas' gradients as "
         f"MirroredStrategy does, not run Adasum. {_WHAT_WORKS}"
     )
+
+
+# What tf_keras's CallbackList asks of every callback, beyond the hooks Keras 3's Callback has.
+_CALLBACK_PROTOCOL = (
+    "_implements_train_batch_hooks",
+    "_implements_test_batch_hooks",
+    "_implements_predict_batch_hooks",
+)
+
+
+class Keras2CallbackProtocol:
+    """tf_keras's CallbackList's questions, answered for a Keras 3 callback: every batch hook is called
+    (Keras 3's Callback has them all, doing nothing where the callback does not override them)."""
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return True
+
+
+@register(
+    "tf_keras callback protocol",
+    "the callbacks that serve tf_keras models fail inside tf_keras's fit",
+    required=False,
+)
+def _check_callback_protocol() -> str | None:
+    if "tf_keras" not in sys.modules:
+        return None  # checked where tf_keras is imported
+    base = getattr(importlib.import_module("tf_keras.src.callbacks"), "Callback", None)
+    missing = [name for name in _CALLBACK_PROTOCOL if not callable(getattr(base, name, None))]
+    if missing:
+        return (
+            f"tf_keras {sys.modules['tf_keras'].__version__}'s Callback has no {', '.join(missing)}: its "
+            "CallbackList asks callbacks something else now"
+        )
+    return None
+
+
+def build_optimizer(optimizer: Any, variables: Any) -> None:
+    """Creates `optimizer`'s state for `variables` where it has none yet: a Keras 3 optimizer, a tf_keras
+    one, or tf_keras's legacy OptimizerV2 (whose slots are created per variable, idempotently)."""
+    if keras_2_name(optimizer) is None:
+        if not optimizer.built:
+            optimizer.build(variables)
+    elif hasattr(optimizer, "_create_all_weights"):
+        optimizer._create_all_weights(variables)
+    elif not getattr(optimizer, "_built", False):
+        optimizer.build(variables)
 
 
 def _gradient_sums() -> list[tuple[type, str]]:

@@ -1,6 +1,7 @@
 """Horovod's DistributedOptimizer and PartialDistributedOptimizer for Keras 3 optimizers: op=Adasum is the
 paper's Adasum after the optimizer (an AdasumOptimizer); op=Average and Sum all-reduce the gradients
-before it (an AllreduceOptimizer)."""
+before it (an AllreduceOptimizer). A tf_keras (Keras 2) optimizer gets the same two behaviours from
+keras2_optimizer.py, with the default backward_passes_per_step and groups."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 
 import keras
 
-from tf_adasum import distributed
+from tf_adasum import _compat, distributed
 from tf_adasum._horovod.arguments import groups_argument, local_layer_list, unsupported
 from tf_adasum._horovod.compression import Compression, check_compressor
+from tf_adasum._horovod.keras2_optimizer import keras_2_distributed_optimizer
 from tf_adasum.comm import engine
 from tf_adasum.distributed import Adasum, Average
 from tf_adasum.training import model_sync, optimizer_options
@@ -77,6 +79,14 @@ def DistributedOptimizer(
     groups = groups_argument(where, num_groups, groups)
     model_sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
     engine.init()
+    if _compat.keras_2_name(optimizer) is not None:
+        if backward_passes_per_step > 1 or groups:
+            raise NotImplementedError(
+                f"{where}(backward_passes_per_step={backward_passes_per_step}, groups={groups!r}) on a "
+                "tf_keras (Keras 2) optimizer: only the defaults are built for tf_keras; Keras 3 optimizers "
+                "(keras.optimizers.*) take them"
+            )
+        return keras_2_distributed_optimizer(optimizer, chosen, compression, name)
     if chosen is Adasum:
         if groups:
             raise NotImplementedError(

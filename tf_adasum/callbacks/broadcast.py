@@ -28,6 +28,8 @@ class BroadcastGlobalVariablesCallback(Callback):
             DistributedOptimizer.register_local_var), which are not broadcast.
     """
 
+    serves_keras_2 = True  # a tf_keras model's variables and its optimizer's state are broadcast alike
+
     def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         unsupported("BroadcastGlobalVariablesCallback", device=(device, ""))
@@ -57,5 +59,9 @@ class BroadcastGlobalVariablesCallback(Callback):
             self.broadcast_done = True
 
     def _broadcast(self) -> None:
-        per_process = isinstance(self.model.optimizer, AdasumOptimizer)  # Adasum after the optimizer
+        # Adasum after the optimizer: each process's optimizer state is its own (Keras 3, or tf_keras's).
+        optimizer = self.model.optimizer
+        per_process = isinstance(optimizer, AdasumOptimizer) or getattr(
+            optimizer, "_tf_adasum_state_per_process", False
+        )
         broadcast_model_and_optimizer(self.model, self.root_rank, self.local_variables, per_process)

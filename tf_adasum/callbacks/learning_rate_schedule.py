@@ -31,6 +31,8 @@ class LearningRateScheduleCallback(Callback):
         ValueError: initial_lr is None, or the steps per epoch cannot be found for staircase=False.
     """
 
+    serves_keras_2 = True  # a tf_keras optimizer's learning rate is set and read alike
+
     def __init__(
         self,
         initial_lr: float,
@@ -67,7 +69,7 @@ class LearningRateScheduleCallback(Callback):
         momentum = getattr(stepping, "inner_optimizer", stepping).__dict__.get("momentum")
         if self.momentum_correction and isinstance(momentum, float) and momentum != 0:
             warnings.warn(
-                f"{type(self).__name__}: momentum_correction cannot change the momentum of a Keras 3 "
+                f"{type(self).__name__}: momentum_correction cannot change the momentum of a Keras "
                 "optimizer, a Python float compiled into the train step; only the learning rate is "
                 "adjusted. Pass momentum_correction=False to silence this.",
                 stacklevel=2,

@@ -16,6 +16,8 @@ class MetricAverageCallback(CountsBatches):
     AdasumStrategy already averages its logs; this is for one-process-per-worker scripts.
     """
 
+    serves_keras_2 = True  # tf_keras's epoch logs are floats too
+
     def __init__(self, device: str = "") -> None:
         super().__init__()
         unsupported("MetricAverageCallback", device=(device, ""))

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import distributed
+from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
 from tf_adasum.common.errors import UnevenDataError
 from tf_adasum.common.variables import replica_values, tf_variable
@@ -76,8 +76,7 @@ def broadcast_model_and_optimizer(
     optimizer = model.optimizer
     if optimizer is None:
         return
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
+    _compat.build_optimizer(optimizer, model.trainable_variables)
     steps = agreement.gather_objects(
         distributed.init(), int(optimizer.iterations.numpy()), "optimizer step check"
     )
