@@ -23,6 +23,7 @@ from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.profiler import trace as profiler_trace
+from tf_keras.src import callbacks as tf_keras_callbacks
 from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
 from tf_keras.src.optimizers.legacy import optimizer_v2 as tf_keras_optimizer_v2
 
@@ -112,6 +113,10 @@ REMOVALS = [
     (
         "tf_keras gradient sums",
         lambda mp: mp.delattr(tf_keras_optimizer_v2.OptimizerV2, "_aggregate_gradients"),
+    ),
+    (
+        "tf_keras callback protocol",
+        lambda mp: mp.delattr(tf_keras_callbacks.Callback, "_implements_train_batch_hooks"),
     ),
     ("BatchNormalization._moments", lambda mp: mp.delattr(keras.layers.BatchNormalization, "_moments")),
     (

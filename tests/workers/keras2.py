@@ -1,12 +1,16 @@
-"""The worker of tests/test_keras2.py's test across processes: `python -m tests.workers.keras2 OUT MODE`
-(tests/workers/dispatch.py), one mode a launch, where MODE names the Keras that `tf.keras` is:
+"""The worker of tests/test_keras2.py's tests across processes: `python -m tests.workers.keras2 OUT
+MODE[,MODE...]` (tests/workers/dispatch.py). The modes of one launch share one Keras: those named
+keras2* run with TF_USE_LEGACY_KERAS=1, so that `tf.keras` is tf_keras (Keras 2), the others with Keras 3.
 
-    keras2   TF_USE_LEGACY_KERAS=1: `tf.keras` is tf_keras (Keras 2)
-    keras3   `tf.keras` is Keras 3
+    keras2, keras3       Horovod's `tf.keras` custom loop: a linear model, SGD, the gradients combined by
+                         DistributedGradientTape(op=Adasum), the variables broadcast from rank 0 first
+    keras2_fit_adasum    Horovod's Keras script under tf_keras: model.fit with
+    keras2_fit_average   DistributedOptimizer(SGD with momentum, op=Adasum or Average), the broadcast and
+                         metric-average callbacks, a checkpoint on rank 0; each rank starts from its own
+                         initial weights, and the broadcast makes them rank 0's
 
-The same custom loop either way, Horovod's `tf.keras` shape: a linear model, SGD, the gradients combined
-by DistributedGradientTape(op=Adasum), the variables broadcast from rank 0 first. Each rank writes its
-data, the start and its final weights to OUT/{MODE}{rank}.npz; the test checks them against numpy.
+Each mode writes its rank's data, start and final weights (and fit's history) to OUT/{MODE}{rank}.npz;
+the test checks them against numpy.
 """
 
 from __future__ import annotations
@@ -16,49 +20,94 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-if len(sys.argv) > 2 and sys.argv[2] == "keras2":
+if len(sys.argv) > 2 and sys.argv[2].startswith("keras2"):
     os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported, as a Keras 2 script sets it
 
 import numpy as np
 import tensorflow as tf
 
-import tf_adasum.tensorflow as hvd
+import tf_adasum.keras as hvd
+import tf_adasum.tensorflow as hvd_tf
+from tests.support.training import LR, MOMENTUM
 from tests.workers.dispatch import main
 
-LR = 0.1
 STEPS = 3
+EPOCHS, BATCH, ROWS = 2, 16, 32
 
 
-def custom_loop(out: Path, expected_keras: str) -> None:
-    hvd.init()
-    assert tf.keras.__name__.split(".")[0] == expected_keras, tf.keras.__name__
-    rank = hvd.rank()
+def _data(rank: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(100 + rank)
-    x = rng.standard_normal((16, 3)).astype(np.float32)
-    y = rng.standard_normal((16, 2)).astype(np.float32)
+    return rng.standard_normal((ROWS, 3)).astype(np.float32), rng.standard_normal((ROWS, 2)).astype(
+        np.float32
+    )
+
+
+def _linear(rank: int) -> tuple[object, list[np.ndarray]]:
+    rng = np.random.default_rng(200 + rank)  # every rank its own start
     start = [rng.standard_normal((3, 2)).astype(np.float32), rng.standard_normal(2).astype(np.float32)]
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
-    model.set_weights(start)  # rank 0's start reaches every rank through the broadcast
-    optimizer = tf.keras.optimizers.SGD(LR)
+    model.set_weights(start)
+    return model, start
+
+
+def _check_keras(mode: str) -> None:
+    expected = "tf_keras" if mode.startswith("keras2") else "keras"
+    assert tf.keras.__name__.split(".")[0] == expected, (mode, tf.keras.__name__)
+
+
+def custom_loop(out: Path, mode: str) -> None:
+    _check_keras(mode)
+    hvd.init()
+    rank = hvd.rank()
+    x, y = _data(rank)
+    model, start = _linear(rank)
+    optimizer = tf.keras.optimizers.SGD(0.1)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
     @tf.function
     def step() -> tf.Tensor:
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x) - y))
-        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
+        tape = hvd_tf.DistributedGradientTape(tape, op=hvd.Adasum)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     for _ in range(STEPS):
         step()
-    np.savez(out / f"{expected_keras}{rank}.npz", x=x, y=y, start=start[0], start_bias=start[1],
-             w=model.get_weights()[0], b=model.get_weights()[1])  # fmt: skip
+    w, b = model.get_weights()
+    np.savez(out / f"{mode}{rank}.npz", x=x, y=y, start=start[0], start_bias=start[1], w=w, b=b)
     print(f"rank {rank}: {tf.keras.__name__} custom loop done", flush=True)
+
+
+def fit(out: Path, mode: str, op: object) -> None:
+    _check_keras(mode)
+    hvd.init()
+    rank = hvd.rank()
+    x, y = _data(rank)
+    model, start = _linear(rank)
+    optimizer = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(LR, momentum=MOMENTUM), op=op)
+    model.compile(optimizer, "mse")
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+    if rank == 0:
+        callbacks.append(
+            tf.keras.callbacks.ModelCheckpoint(str(out / f"{mode}.weights.h5"), save_weights_only=True)
+        )
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+    w, b = model.get_weights()
+    np.savez(
+        out / f"{mode}{rank}.npz", x=x, y=y, start=start[0], start_bias=start[1], w=w, b=b,
+        loss=np.array(history.history["loss"]), optimizer=type(model.optimizer).__module__,
+    )  # fmt: skip
+    print(f"rank {rank}: {tf.keras.__name__} fit with {type(model.optimizer).__name__} done", flush=True)
 
 
 if __name__ == "__main__":
     main(
-        {"keras2": lambda out: custom_loop(out, "tf_keras"), "keras3": lambda out: custom_loop(out, "keras")}
+        {
+            "keras2": lambda out: custom_loop(out, "keras2"),
+            "keras3": lambda out: custom_loop(out, "keras3"),
+            "keras2_fit_adasum": lambda out: fit(out, "keras2_fit_adasum", hvd.Adasum),
+            "keras2_fit_average": lambda out: fit(out, "keras2_fit_average", hvd.Average),
+        }
     )
