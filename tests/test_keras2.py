@@ -262,9 +262,10 @@ def test_tf_keras_scripts_with_the_import_changed_equal_numpy(launcher: str, tmp
       momentum and the steps are combined with Adasum, with op=Average the gradients are averaged; every
       epoch's logged loss is the mean over processes.
     The ranks end bitwise alike, from different initial weights."""
-    modes = {"keras2,keras2_fit_adasum,keras2_fit_average", "keras3"}
-    for chained in sorted(modes):  # one Keras a launch: a process's `tf.keras` is one Keras for good
-        code = launch(launcher, 2, tmp_path, ["-m", "tests.workers.keras2", str(tmp_path), chained])
+    # One Keras a launch: a process's `tf.keras` is one Keras for good.
+    for chained, legacy in (("keras2,keras2_fit_adasum,keras2_fit_average", "1"), ("keras3", "0")):
+        worker = ["-m", "tests.workers.keras2", str(tmp_path), chained]
+        code = launch(launcher, 2, tmp_path, worker, extra_env={"TF_USE_LEGACY_KERAS": legacy})
         assert code == 0, log_tail(tmp_path)
     finals = {}
     for mode in ("keras2", "keras3", "keras2_fit_adasum", "keras2_fit_average"):

@@ -1,6 +1,7 @@
 """The worker of tests/test_keras2.py's tests across processes: `python -m tests.workers.keras2 OUT
-MODE[,MODE...]` (tests/workers/dispatch.py). The modes of one launch share one Keras: those named
-keras2* run with TF_USE_LEGACY_KERAS=1, so that `tf.keras` is tf_keras (Keras 2), the others with Keras 3.
+MODE[,MODE...]` (tests/workers/dispatch.py). The modes of one launch share one Keras: the test launches
+those named keras2* with TF_USE_LEGACY_KERAS=1, so that `tf.keras` is tf_keras (Keras 2), the others
+without it, and each mode checks which Keras `tf.keras` is.
 
     keras2, keras3       Horovod's `tf.keras` custom loop: a linear model, SGD, the gradients combined by
                          DistributedGradientTape(op=Adasum), the variables broadcast from rank 0 first
@@ -16,12 +17,9 @@ the test checks them against numpy.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-if len(sys.argv) > 2 and sys.argv[2].startswith("keras2"):
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported, as a Keras 2 script sets it
 
 import numpy as np
 import tensorflow as tf
@@ -102,12 +100,12 @@ def fit(out: Path, mode: str, op: object) -> None:
     print(f"rank {rank}: {tf.keras.__name__} fit with {type(model.optimizer).__name__} done", flush=True)
 
 
+MODES = {
+    "keras2": lambda out: custom_loop(out, "keras2"),
+    "keras3": lambda out: custom_loop(out, "keras3"),
+    "keras2_fit_adasum": lambda out: fit(out, "keras2_fit_adasum", hvd.Adasum),
+    "keras2_fit_average": lambda out: fit(out, "keras2_fit_average", hvd.Average),
+}
+
 if __name__ == "__main__":
-    main(
-        {
-            "keras2": lambda out: custom_loop(out, "keras2"),
-            "keras3": lambda out: custom_loop(out, "keras3"),
-            "keras2_fit_adasum": lambda out: fit(out, "keras2_fit_adasum", hvd.Adasum),
-            "keras2_fit_average": lambda out: fit(out, "keras2_fit_average", hvd.Average),
-        }
-    )
+    main(MODES)
