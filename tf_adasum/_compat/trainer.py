@@ -218,6 +218,10 @@ def _check_epoch_iterators() -> str | None:
     return None
 
 
+# Objects a forked child inherited from its parent's graveyard: never freed in the child.
+_FROM_THE_PARENT: list[Any] = []
+
+
 class _Graveyard:
     """Frees objects on a thread of its own, `delay` seconds after they are handed over: a tf.data
     iterator's destructor waits for its threads (tf.data's autotuning thread can take up to its
@@ -225,26 +229,34 @@ class _Graveyard:
     reference pays for it."""
 
     def __init__(self) -> None:
-        self._start()
-        # A warm process forked by the elastic launcher's fork server (tf_adasum/elastic/forkserver.py)
-        # has none of its parent's threads: it starts its own.
-        os.register_at_fork(after_in_child=self._start)
+        self._reset()
+        # A process forked from this one (a warm process of the elastic launcher's fork server, a test's
+        # child) has none of its parent's threads: it starts its own, at its first handover. Not at the
+        # fork: a thread started in the child of a process with TensorFlow's threads can crash it
+        # (SIGSEGV in a child that only changed its user and checked a file).
+        os.register_at_fork(after_in_child=self._forked)
         # Before the interpreter ends: a daemon thread still inside a destructor then is cut off in
         # TensorFlow's C++ ("FATAL: exception not rethrown", the process aborts at exit).
         atexit.register(self._stop)
 
-    def _start(self) -> None:
+    def _forked(self) -> None:
+        # What the parent handed over stays unfreed here: an iterator's destructor waits for threads
+        # that only the parent has, and would hang the child.
+        _FROM_THE_PARENT.append(self._buried)
+        self._reset()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._buried: list[tuple[float, list[Any]]] = []
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name="tf_adasum-iterator-release")
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def _stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=60)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
         with self._lock:
             self._buried.clear()  # what is left is freed here, on the exiting thread
 
@@ -263,6 +275,11 @@ class _Graveyard:
             if len(self._buried) >= self.MAX_WAITING:
                 return False
             self._buried.append((time.monotonic() + delay, objects))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name="tf_adasum-iterator-release"
+                )
+                self._thread.start()
         self._wake.set()
         return True
 
