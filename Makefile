@@ -43,7 +43,7 @@ tf_python = $(if $(filter $(TF_VERSION),$(1)),$(abspath $(PY)),$(abspath build/t
 # auditwheel with TensorFlow's own library left out (the wheel needs it from the installed TensorFlow,
 # as every custom-op wheel does). Into dist/.
 wheel: $(STAMP) $(foreach r,$(filter-out $(TF_VERSION),$(TF_RELEASES)),build/tf/$(r)/.installed)
-	rm -rf build/wheel dist/tf_adasum-*.whl && mkdir -p dist
+	rm -rf build/wheel build/bdist.* dist/tf_adasum-*.whl && mkdir -p dist
 	TF_ADASUM_TENSORFLOWS="$(foreach r,$(TF_RELEASES),$(call tf_python,$(r)))" \
 		$(PY) -m pip wheel -q --no-build-isolation --no-deps . -w build/wheel
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair -w dist \

@@ -91,7 +91,9 @@ def _installed(python: str) -> dict[str, str]:
     return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listing)}
 
 
-@pytest.fixture(scope="module")
+# Once per session: under xdist (`make test`) a worker runs other modules' tests between the matrix's
+# entries, and a module-scoped fixture would build the wheel again for each.
+@pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.fail("hiding the compilers takes a mount namespace: run as root, with unshare (util-linux)")
