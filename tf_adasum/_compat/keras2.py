@@ -45,19 +45,21 @@ _GRADIENT_SUMS = (
 )
 
 
+def _of_tf_keras(module: str | None) -> bool:
+    return module is not None and (module == "tf_keras" or module.startswith("tf_keras."))
+
+
 def keras_2_name(obj: Any) -> str | None:
     """`module.Class` of the tf_keras class `obj` is (or is an instance of, or derives from), else None."""
     cls = obj if isinstance(obj, type) else type(obj)
-    for base in cls.__mro__:
-        if base.__module__ == "tf_keras" or base.__module__.startswith("tf_keras."):
-            return f"{cls.__module__}.{cls.__qualname__}"
+    if any(_of_tf_keras(base.__module__) for base in cls.__mro__):
+        return f"{cls.__module__}.{cls.__qualname__}"
     return None
 
 
 def is_keras_2_function(fn: Any) -> bool:
     """Whether `fn` is one of tf_keras's own functions (its train, test and predict steps)."""
-    module = getattr(fn, "__module__", None) or ""
-    return module == "tf_keras" or module.startswith("tf_keras.")
+    return _of_tf_keras(getattr(fn, "__module__", None))
 
 
 def require_keras_3(obj: Any, who: str) -> None:
