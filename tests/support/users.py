@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 NOBODY = 65534
+CHILD_TIMEOUT_SECONDS = 60
 
 
 as_root = pytest.mark.skipif(
@@ -41,5 +44,14 @@ def as_nobody(action: Callable[[], None]) -> None:
             code = 0
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + CHILD_TIMEOUT_SECONDS
+    while True:  # bounded: a child of a process with TensorFlow's threads can hang (a lock held at fork)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the child as nobody did not end within {CHILD_TIMEOUT_SECONDS} s")
+        time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
