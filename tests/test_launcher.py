@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tf_adasum.launch import static
-from tf_adasum.launch.hosts import StartError, parse_hosts
+from tf_adasum.launch.hosts import StartError, ephemeral_floor, free_ports, parse_hosts
 from tf_adasum.launch.settings import LaunchSettings
 
 CHILD = """
@@ -129,6 +130,28 @@ def test_the_elastic_relay_imports_no_tensorflow_until_it_must() -> None:
     # Then the same process is the standby, TensorFlow imported, which finds no pool to wait for here.
     assert "elastic/standby.py" in standby, standby[-2000:]
     assert "KeyError: 'TF_ADASUM_ELASTIC_POOL'" in standby, standby[-2000:]
+
+
+def test_the_ranks_ports_lie_below_the_range_the_kernel_hands_out() -> None:
+    """A rank binds its gRPC port seconds after the launcher chose it. A port of the kernel's ephemeral
+    range could be taken in between by any process's outgoing connection or bind to port 0 (a CI run
+    lost a rank so: "Could not start gRPC server"); below that range only another chooser can."""
+    taken = []
+    for _ in range(200):  # the kernel's own choices, held, as a busy host's connections hold theirs
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        taken.append(s)
+    try:
+        ports = free_ports(64)
+        held = {s.getsockname()[1] for s in taken}
+        assert len(set(ports)) == 64 and not held & set(ports)
+        assert all(15000 <= port < ephemeral_floor() for port in ports), ports
+        for port in ports:  # each is free
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+    finally:
+        for s in taken:
+            s.close()
 
 
 def test_a_host_list_places_ranks_in_order_as_horovodrun() -> None:

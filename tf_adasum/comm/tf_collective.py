@@ -39,6 +39,7 @@ from tf_adasum import _compat, timeline
 from tf_adasum.algorithm import in_graph
 from tf_adasum.comm.base import Communicator
 from tf_adasum.common.errors import LOST_PEER, PeerError, timeout_seconds
+from tf_adasum.launch.hosts import free_ports
 
 
 def _group_key(members: Sequence[int | str]) -> int:
@@ -67,9 +68,7 @@ def cluster_from_horovodrun(environ: Any = None) -> tuple[list[str], int]:
     rank, size = int(env["HOROVOD_RANK"]), int(env["HOROVOD_SIZE"])
     store = f"http://{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
     host = socket.gethostbyname(env.get("HOROVOD_HOSTNAME") or socket.gethostname())
-    with socket.socket() as probe:  # a free port for this worker's gRPC server
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    (port,) = free_ports(1, host)  # for this worker's gRPC server
     mine = urllib.request.Request(
         f"{store}/{_RENDEZVOUS_SCOPE}/{rank}", data=f"{host}:{port}".encode(), method="PUT"
     )

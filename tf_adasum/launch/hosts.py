@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 # How long the others may take to notice a failed process and end with their own error.
@@ -60,14 +62,55 @@ def tf_config(workers: list[str], rank: int) -> str:
     return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+# Where free_ports draws from: above the well-known and registered ports most services take, below the
+# kernel's ephemeral range (read from /proc where there is one).
+_LOWEST_PORT = 15000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands out by itself (to a bind to port 0, or an outgoing connection)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free on `host` now, drawn at random below the kernel's ephemeral range.
+
+    A port is free only until someone binds it, and a rank binds its port seconds later, once TensorFlow
+    is imported. Every port the kernel hands out by itself (any process's bind to port 0, the own end
+    of every outgoing connection: an MPI job's, a browser's) comes from the ephemeral range, so a port
+    drawn from it can be gone by then, and the rank ends with "Could not start gRPC server". Below that
+    range only another process choosing a port number itself can take it in between (portpicker draws
+    the same way). Where that range leaves no room, the kernel's own choice is taken.
+    """
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    low, high = _LOWEST_PORT, ephemeral_floor()
+    for _ in range(100 * n if high - low > 100 * n else 0):
+        if len(chosen) == n:
+            break
+        port = rng.randrange(low, high)
+        if port not in chosen and _bindable(host, port):
+            chosen.append(port)
+    while len(chosen) < n:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def parse_hosts(hosts: str, np: int) -> list[str]:
