@@ -5,10 +5,14 @@ of workers and warmed up, metrics averaged, checkpoints on rank 0).
 Adasum is one argument: `op=hvd.Adasum` in DistributedOptimizer applies it after the optimizer, as the
 Adasum paper does; leave it out for Horovod's gradient average.
 
+It is written with `tf.keras`, as Horovod's examples are: Keras 3, or with TF_USE_LEGACY_KERAS=1 the
+Keras 2 of `tf_keras` (pip install tf-keras of the TensorFlow's minor release), unchanged.
+
 Run it with any of:
     horovodrun -np 2 -H localhost:2 python examples/horovod_keras_digits.py
     mpirun -np 2 python examples/horovod_keras_digits.py
     python -m tf_adasum.run -np 2 examples/horovod_keras_digits.py
+    TF_USE_LEGACY_KERAS=1 python -m tf_adasum.run -np 2 examples/horovod_keras_digits.py
 """
 
 # First, before TensorFlow: tf_adasum then imports TensorFlow without its C++ start-up log, and under
@@ -16,12 +20,15 @@ Run it with any of:
 import tf_adasum.keras as hvd
 
 # isort: split
-import keras
+import os
+
 import numpy as np
 import tensorflow as tf
 
-EPOCHS = 24  # the schedule; the tests run a shorter one
-STEPS = 500  # global batches per epoch, shared among the workers
+keras = tf.keras  # Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
+
+EPOCHS = int(os.environ.get("EPOCHS", "24"))  # the schedule; the tests run a shorter one
+STEPS = int(os.environ.get("STEPS", "500"))  # global batches per epoch, shared among the workers
 
 
 def digits() -> tf.data.Dataset:
@@ -33,7 +40,7 @@ def digits() -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((images, data.target)).repeat().shuffle(10000).batch(128)
 
 
-def make_model() -> keras.Model:
+def make_model() -> tf.keras.Model:
     return keras.Sequential(
         [
             keras.Input((8, 8, 1)),
@@ -49,7 +56,7 @@ def make_model() -> keras.Model:
     )
 
 
-def train() -> keras.Model:
+def train() -> tf.keras.Model:
     hvd.init()
     # One GPU per process, where there are GPUs.
     gpus = tf.config.list_physical_devices("GPU")

@@ -400,22 +400,15 @@ def test_gradient_accumulation_follows_horovods_formula(k: int, average: bool) -
     # average_aggregated_gradients), all-reduced once, applied at every k-th pass; the iteration count
     # moves at every pass, so Adam's bias correction counts passes. One process here; across processes
     # in test_existing_scripts.py.
-    from tests.support.training import Replica, mse_grads
+    from tests.support.training import accumulated_adam
 
-    x, y, w, b = problem()
+    x, y, _, _ = problem()
     optimizer = hvd.DistributedOptimizer(
         make_inner("adam"), op=hvd.Average, backward_passes_per_step=k, average_aggregated_gradients=average
     )
     model = build_linear(tf.distribute.get_strategy(), lambda: optimizer)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)  # 8 passes
-    params = [w.astype(np.float64), b.astype(np.float64)]
-    adam, summed = Replica("adam", params), [np.zeros_like(p) for p in params]
-    for step in range(8):
-        rows = slice(8 * step, 8 * (step + 1))
-        summed = [s + g for s, g in zip(summed, mse_grads(params, x[rows], y[rows]), strict=True)]
-        if (step + 1) % k == 0:
-            params = adam.step(params, [s / k if average else s for s in summed], step + 1)
-            summed = [np.zeros_like(p) for p in params]
+    params = accumulated_adam(k, average)
     for got, want in zip(model.get_weights(), params, strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert int(optimizer.iterations.numpy()) == 8

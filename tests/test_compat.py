@@ -20,10 +20,11 @@ from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.epoch_iterator import EpochIterator
 from tensorflow.python.data.ops import multi_device_iterator_ops
-from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute import input_lib, merge_call_interim
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.profiler import trace as profiler_trace
 from tf_keras.src import callbacks as tf_keras_callbacks
+from tf_keras.src import optimizers as tf_keras_optimizers
 from tf_keras.src.optimizers import optimizer as tf_keras_optimizer
 from tf_keras.src.optimizers.legacy import optimizer_v2 as tf_keras_optimizer_v2
 
@@ -55,6 +56,11 @@ def apply_gradients_of_its_own(self: Any, grads_and_vars: Any) -> None:
 
 
 # (hook, what to take away), the way a Keras release could.
+def merge_always(fn: Any, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+    """maybe_merge_call as a TensorFlow that always merges would have it."""
+    return tf.distribute.get_replica_context().merge_call(fn, args=args, kwargs=kwargs)
+
+
 REMOVALS = [
     ("optimizers.get", lambda mp: mp.delattr(keras_trainer, "optimizers")),
     ("optimizers.get", lambda mp: mp.setattr(keras_trainer.Trainer, "compile", without_compile_through_get)),
@@ -77,6 +83,10 @@ REMOVALS = [
     ("profiler.trace.enabled", lambda mp: mp.setattr(profiler_trace, "enabled", "on")),
     ("context.abort_collective_ops", lambda mp: mp.delattr(eager_context.Context, "abort_collective_ops")),
     ("coordination service", lambda mp: mp.delattr(eager_context.Context, "coordination_service")),
+    (
+        "cross-replica optimizer steps",
+        lambda mp: mp.setattr(merge_call_interim, "maybe_merge_call", merge_always),
+    ),
     (
         "loss scaling for distribution",
         lambda mp: mp.delattr(keras_loss_module, "unscale_loss_for_distribution"),
@@ -114,6 +124,12 @@ REMOVALS = [
         "tf_keras gradient sums",
         lambda mp: mp.delattr(tf_keras_optimizer_v2.OptimizerV2, "_aggregate_gradients"),
     ),
+    ("tf_keras optimizer steps", lambda mp: mp.delattr(tf_keras_optimizer.Optimizer, "apply_gradients")),
+    (
+        "tf_keras optimizer steps",
+        lambda mp: mp.delattr(tf_keras_optimizer_v2.OptimizerV2, "apply_gradients"),
+    ),
+    ("tf_keras optimizers.get", lambda mp: mp.delattr(tf_keras_optimizers, "get")),
     (
         "tf_keras callback protocol",
         lambda mp: mp.delattr(tf_keras_callbacks.Callback, "_implements_train_batch_hooks"),

@@ -12,9 +12,11 @@ reached (a mount namespace that hides g++'s and nvcc's programs):
   logical devices against one device on identical rows and against the numpy simulation
   (test_training), the Horovod face's Keras tests (test_callbacks), and every hook of the fence in place
   with this TensorFlow and Keras (test_compat), the Timeline's phases in the profiler's trace, and the
-  Keras optimizer options under AdasumStrategy (test_optimizer_options), and every way in refusing the
-  release's tf_keras (Keras 2) with what works instead (test_keras2);
-- a 2-process Adasum all-reduce under `tf_adasum.run` equals the oracle on both ranks, bitwise alike.
+  Keras optimizer options under AdasumStrategy (test_optimizer_options), and what serves and what
+  refuses the release's tf_keras (Keras 2) (test_keras2);
+- a 2-process Adasum all-reduce under `tf_adasum.run` equals the oracle on both ranks, bitwise alike;
+- on 2 processes, under this release's tf_keras, a `tf.keras` script of each way in (Horovod's
+  DistributedOptimizer with its callbacks, AdasumCallback, AdasumStrategy) equals numpy, bitwise alike.
 
 TF_ADASUM_MATRIX names the entries (`make test-matrix` sets it: every release and the Keras floor; `make
 test` the oldest and the newest release).
@@ -22,15 +24,21 @@ test` the oldest and the newest release).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.keras2 import check_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -38,6 +46,8 @@ KERAS = "3.15.1"
 MATRIX = os.environ.get(
     "TF_ADASUM_MATRIX", "2.16.2 2.17.1 2.18.1 2.19.1 2.20.0 2.21.0 2.20.0:3.10.0 2.21.0:3.12.0"
 ).split()
+# The tf_keras scripts each entry runs on 2 processes (tests/workers/keras2.py's modes).
+KERAS_2 = ["keras2_fit_adasum", "keras2_callback_2", "keras2_strategy_sgd_1"]
 # What a compiler needs to run; hidden behind empty folders in the test's mount namespace.
 COMPILER_PARTS = [
     "/usr/lib/gcc",
@@ -91,6 +101,28 @@ def _installed(python: str) -> dict[str, str]:
     return {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listing)}
 
 
+@contextlib.contextmanager
+def _building_alone(seconds: float = 3600) -> Iterator[None]:
+    """Holds the source tree's wheel build to this process: `make wheel` clears build/wheel and build/lib
+    as it starts, and under xdist both workers can reach this fixture at once (a CI run failed with
+    ENOENT in setuptools' copy when the other worker's build cleared them)."""
+    (ROOT / "build").mkdir(exist_ok=True)
+    deadline = time.monotonic() + seconds
+    with open(ROOT / "build" / "wheel.lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"another process held build/wheel.lock for {seconds:.0f} s")
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 # Once per session: under xdist (`make test`) a worker runs other modules' tests between the matrix's
 # entries, and a module-scoped fixture would build the wheel again for each.
 @pytest.fixture(scope="session")
@@ -98,10 +130,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.fail("hiding the compilers takes a mount namespace: run as root, with unshare (util-linux)")
     dist = tmp_path_factory.mktemp("dist")
-    # make wheel: a build venv per release (kept in build/tf/), the core once, an adapter per release.
-    _run(["make", "-C", str(ROOT), "wheel", f"TF_RELEASES={' '.join(_releases())}"], 3600)
-    (built,) = (ROOT / "dist").glob("tf_adasum-*.whl")
-    shutil.copy(built, dist)
+    with _building_alone():
+        # make wheel: a build venv per release (kept in build/tf/), the core once, an adapter per release.
+        _run(["make", "-C", str(ROOT), "wheel", f"TF_RELEASES={' '.join(_releases())}"], 3600)
+        (built,) = (ROOT / "dist").glob("tf_adasum-*.whl")
+        shutil.copy(built, dist)
     wheel = dist / built.name
     assert wheel.name.startswith("tf_adasum-0.1.0-py3-none-manylinux_"), wheel.name
     assert wheel.name.endswith("_x86_64.whl") or wheel.name.endswith("_aarch64.whl"), wheel.name
@@ -199,3 +232,22 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
     assert (out / "rank0.bin").read_bytes() == (out / "rank1.bin").read_bytes(), (
         "both ranks hold the same bits"
     )
+
+    # A tf.keras script of each way in, on this release's tf_keras, on 2 processes: Horovod's
+    # DistributedOptimizer(op=Adasum) with its callbacks, AdasumCallback every 2 steps, AdasumStrategy.
+    out = tmp_path / "keras2"
+    out.mkdir()
+    job = [
+        python,
+        "-m",
+        "tf_adasum.run",
+        "-np",
+        "2",
+        "-m",
+        "tests.workers.keras2",
+        str(out),
+        ",".join(KERAS_2),
+    ]
+    _run(_without_compilers(job), 600, cwd=tmp_path, env=dict(mpi_env, TF_USE_LEGACY_KERAS="1"))
+    for mode in KERAS_2:
+        check_mode(out, mode)

@@ -96,7 +96,8 @@ if not _the_launcher_alone():
     # Everything importing tf_adasum changes in Keras, each with tf_adasum's policy passed in.
     _compat.warn_at_import()
     # compile() resolves its optimizer through keras.optimizers.get: under an AdasumStrategy, AdasumOptimizer.
-    _compat.install_optimizer_get(strategy.wrap_under_adasum_strategy)
+    _compat.install_optimizer_get(strategy.wrap_under_adasum_strategy, _compat.refuse_mixing_in_keras_3)
+    _compat.install_keras_2_mixing_guard()  # where tf_keras is imported already; the ways in too
 
     def _before_train_function(model: object) -> None:
         strategy.adopt_optimizer_compiled_outside(model)

@@ -83,9 +83,11 @@ FLOORS: list[list[str]] = [
         "callbacks.best_model_checkpoint",
         "callbacks.learning_rate_warmup",
     ],
-    # AdasumOptimizer; hvd.elastic; Horovod's basics, collectives and functions; what two callbacks share
+    # AdasumOptimizer; the sync on a tf_keras optimizer; hvd.elastic; Horovod's basics, collectives and
+    # functions; what two callbacks share
     [
         "training.optimizer",
+        "training.keras2_sync",
         "elastic",
         "_horovod.basics",
         "_horovod.mpi_ops",

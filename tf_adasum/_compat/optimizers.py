@@ -84,8 +84,9 @@ def _check_optimizers_get() -> str | None:
     return None
 
 
-def install_optimizer_get(resolve: Callable[[Any], Any]) -> None:
-    """Makes keras.optimizers.get (public and private) return resolve(the optimizer), once per process."""
+def install_optimizer_get(resolve: Callable[[Any], Any], check: Callable[[Any], None] | None = None) -> None:
+    """Makes keras.optimizers.get (public and private) return resolve(the optimizer), once per process;
+    `check`, where given, sees what it was asked for first (and raises to refuse it)."""
     from keras.src import optimizers
 
     if hook_problem("optimizers.get") is not None or replaced(optimizers.get):
@@ -94,6 +95,8 @@ def install_optimizer_get(resolve: Callable[[Any], Any]) -> None:
 
     @functools.wraps(before)
     def get(identifier: Any) -> Any:
+        if check is not None:
+            check(identifier)
         return resolve(before(identifier))
 
     optimizers.get = mark(get, before)

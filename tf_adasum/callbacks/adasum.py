@@ -10,7 +10,7 @@ import tensorflow as tf
 from tf_adasum import _compat, distributed
 from tf_adasum.callbacks.batches import CountsBatches, retrace_with, retrace_without
 from tf_adasum.common.variables import tf_variable
-from tf_adasum.training import model_sync, optimizer_options
+from tf_adasum.training import keras2_sync, model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import (
     agree_at_epoch_end,
     broadcast_model_and_optimizer,
@@ -43,6 +43,9 @@ class AdasumCallback(CountsBatches):
     comes with every `sync_every`-th update. A second optimizer stepping in a custom train step must be
     a tf_adasum.AdasumOptimizer: a plain one is refused at the first step.
 
+    A tf_keras (Keras 2) model is served alike: its optimizer's apply_gradients carries the sync during
+    fit. There a LossScaleOptimizer and use_ema are refused (training/keras2_sync.py says why).
+
     Under the TF engine (tf_adasum.run, horovodrun's Gloo mode, TF_CONFIG), TensorFlow's collective
     runtime must start before the first op: `import tf_adasum` does that for processes started by
     tf_adasum.run or horovodrun; with a TF_CONFIG of your own, call `tf_adasum.init()` at the top.
@@ -54,7 +57,8 @@ class AdasumCallback(CountsBatches):
     Raises:
         ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
             AdasumStrategy), an optimizer that already combines across processes, use_ema with
-            sync_every > 1, or a second plain optimizer in the train step.
+            sync_every > 1, or a second plain optimizer in the train step; under tf_keras, mixed
+            precision or use_ema.
         UnevenDataError: the processes would run different numbers of batches.
         NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
         PeerError: a process died or stopped answering.
@@ -62,6 +66,8 @@ class AdasumCallback(CountsBatches):
     Examples:
         >>> model.fit(x_shard, y_shard, epochs=5, callbacks=[tf_adasum.AdasumCallback()])
     """
+
+    serves_keras_2 = True  # a tf_keras model's apply_gradients carries the sync (training/keras2_sync.py)
 
     def __init__(self, sync_every: int = 1, root: int = 0) -> None:
         super().__init__()
@@ -82,12 +88,17 @@ class AdasumCallback(CountsBatches):
                 "AdasumCallback is for one process per worker without a tf.distribute strategy; under a "
                 f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
             )
-        stepping = _compat.loss_scale_inner(optimizer)  # under mixed_float16, inside a LossScaleOptimizer
-        if model_sync.extended_by_callback(stepping):
+        keras_2 = _compat.keras_2_name(model) is not None
+        stepping = optimizer if keras_2 else _compat.loss_scale_inner(optimizer)  # mixed_float16's inner
+        if keras_2:
+            keras2_sync.end_sync(stepping)  # left by a fit that raised before on_train_end
+            keras2_sync.check_keras_2_optimizer(model, stepping)
+        elif model_sync.extended_by_callback(stepping):
             del stepping.apply  # left by a fit that raised before on_train_end could restore it
-        if model_sync.syncs(stepping):
+        if model_sync.syncs(stepping) or hasattr(stepping, "_tf_adasum_op"):
+            what = "DistributedOptimizer" if hasattr(stepping, "_tf_adasum_op") else type(stepping).__name__
             raise ValueError(
-                f"the model's optimizer is already a {type(stepping).__name__}, which combines across "
+                f"the model's optimizer is already a {what}, which combines across "
                 "processes itself: use either it or AdasumCallback, not both"
             )
         distributed.init()
@@ -99,22 +110,28 @@ class AdasumCallback(CountsBatches):
                 "only in its first step), so there is nothing to combine: give it one, "
                 "keras.Sequential([keras.Input(shape), ...]), or call model.build(input_shape) before fit"
             )
-        optimizer_options.check(stepping, self.sync_every)
-        if not optimizer.built:
-            optimizer.build(variables)
+        if not keras_2:
+            optimizer_options.check(stepping, self.sync_every)
+        _compat.build_optimizer(optimizer, variables)
         # The window's anchors (model_sync.start_window) and, with windows of several steps, the weights as
         # the last step left them, outside the optimizer so that it saves as the user's own. Each fit starts
         # a window at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
         self._anchors = [
             tf.Variable(tf_variable(v), trainable=False, name="adasum_anchor") for v in variables
         ]
-        every = optimizer_options.sync_period(stepping, self.sync_every)
+        every = self.sync_every if keras_2 else optimizer_options.sync_period(stepping, self.sync_every)
         lasts = (
             [tf.Variable(tf_variable(v), trainable=False, name="adasum_last") for v in variables]
             if every > 1
             else None
         )
         self._lasts = lasts
+        self._optimizer = stepping
+        self._started = False
+        if keras_2:  # tf_keras: its apply_gradients, with no options to honour (use_ema was refused)
+            keras2_sync.extend_with_sync(stepping, variables, self._anchors, every, lasts)
+            retrace_with(model)
+            return
         # The sync extends the optimizer that steps, so that a step mixed precision skips for overflow
         # skips the sync too. The skip is decided on every process at once (optimizer.finite_everywhere),
         # since the sync is a collective.
@@ -134,8 +151,6 @@ class AdasumCallback(CountsBatches):
 
         setattr(apply_then_sync, model_sync.SYNCS, True)
         stepping.apply = apply_then_sync
-        self._optimizer = stepping
-        self._started = False
         retrace_with(model)  # a train function traced before (an earlier fit) would not sync
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -154,7 +169,10 @@ class AdasumCallback(CountsBatches):
         agree_at_epoch_end(self.model, epoch, self.batches)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        if self._optimizer is not None:
-            del self._optimizer.apply  # the class's own apply again
+        if self._optimizer is not None:  # the class's own step again
+            if _compat.keras_2_name(self._optimizer) is not None:
+                keras2_sync.end_sync(self._optimizer)
+            else:
+                del self._optimizer.apply
             self._optimizer = None
             retrace_without(self.model)

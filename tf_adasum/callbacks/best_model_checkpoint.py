@@ -19,6 +19,8 @@ class BestModelCheckpoint(Callback, keras.callbacks.ModelCheckpoint):
     MetricAverageCallback before it, so that rank 0 judges the metric over every process.
     """
 
+    serves_keras_2 = True  # Keras's ModelCheckpoint calls a tf_keras model's save and save_weights alike
+
     def __init__(
         self,
         monitor: str = "val_loss",

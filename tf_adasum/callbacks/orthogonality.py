@@ -26,7 +26,8 @@ class OrthogonalityMonitor(Callback):
     `orthogonality/<variable path>`, with their mean over variables as `orthogonality`;
     `history` keeps (step, values) for every report. A keras.callbacks.TensorBoard placed after this
     callback in the list writes them as scalars. Works under AdasumStrategy, with AdasumOptimizer
-    (tf_adasum.keras.DistributedOptimizer(op=Adasum)), and with AdasumCallback. Across processes, add it
+    (tf_adasum.keras.DistributedOptimizer(op=Adasum)), and with AdasumCallback, on Keras 3 and on
+    tf_keras models alike. Across processes, add it
     on every process: the recording joins a collective at every sync (a process without one is named in
     a PeerError at train begin).
 
@@ -40,6 +41,8 @@ class OrthogonalityMonitor(Callback):
     Examples:
         >>> model.fit(x, y, callbacks=[tf_adasum.callbacks.OrthogonalityMonitor(every=100)])
     """
+
+    serves_keras_2 = True  # tf_keras's syncs (training/keras2_sync.py) record the same statistics
 
     def __init__(self, every: int = 100) -> None:
         super().__init__()

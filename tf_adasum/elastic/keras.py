@@ -86,19 +86,19 @@ def _model_and_optimizer_built(model: keras.Model, optimizer: Any) -> None:
         raise ValueError(
             "elastic state: the model must be built first (call it, or model.build(input_shape))"
         )
-    if optimizer is not None and not optimizer.built:
+    if optimizer is not None:
         strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         with strategy.scope():
-            optimizer.build(model.trainable_variables)
+            _compat.build_optimizer(optimizer, model.trainable_variables)  # Keras 3's or tf_keras's
 
 
 class TensorFlowKerasState(TensorFlowState):
     """A Keras model, its optimizer (every replica's state), and Python attributes (Horovod's
     TensorFlowKerasState; KerasState is the same). An optimizer not built yet is built here, so that
-    every process has state to commit."""
+    every process has state to commit. A tf_keras (Keras 2) model and optimizer are served alike: one
+    process per worker, as the Horovod face serves them."""
 
     def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
-        _compat.require_keras_3(model, "KerasState")
         self.model = model
         _model_and_optimizer_built(model, None)
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
@@ -106,7 +106,7 @@ class TensorFlowKerasState(TensorFlowState):
         super().__init__(variables=[], **kwargs)
 
     def _own_variables(self) -> list[tuple[str, list[Any]]]:
-        optimizer = list(self.optimizer.variables) if self.optimizer is not None else []
+        optimizer = _compat.optimizer_variables(self.optimizer) if self.optimizer is not None else []
         return [("model", list(self.model.variables)), ("optimizer", optimizer)]
 
     def _sync(self, reset: bool) -> None:
@@ -128,6 +128,8 @@ class CommitStateCallback(Callback):
 
     Put it after UpdateEpochStateCallback and UpdateBatchStateCallback, so a commit holds their counts.
     """
+
+    serves_keras_2 = True  # batch and epoch hooks only, alike in tf_keras's fit
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
         super().__init__()
@@ -163,6 +165,8 @@ class UpdateBatchStateCallback(Callback):
     state.batch is the last batch's index, one less than here.
     """
 
+    serves_keras_2 = True  # batch and epoch hooks only, alike in tf_keras's fit
+
     def __init__(self, state: State) -> None:
         super().__init__()
         self.state: Any = state  # an ObjectState with a `batch` attribute
@@ -194,6 +198,8 @@ class UpdateEpochStateCallback(Callback):
     the offset is taken from the first epoch Keras reports.
     """
 
+    serves_keras_2 = True  # batch and epoch hooks only, alike in tf_keras's fit
+
     def __init__(self, state: State) -> None:
         super().__init__()
         self.state: Any = state  # an ObjectState with an `epoch` attribute
@@ -220,7 +226,10 @@ def _skip_batches(model: keras.Model, count: int) -> None:
     """The next `count` batches of fit are read and dropped: model.train_function consumes them
     without a step (steps_per_execution batches per call), then is Keras's again."""
     train_function = model.train_function
-    per_call = int(getattr(model, "steps_per_execution", 1) or 1)
+    # Keras 3's steps_per_execution; tf_keras keeps it in a variable.
+    per_call = int(
+        getattr(model, "steps_per_execution", None) or getattr(model, "_steps_per_execution", 1) or 1
+    )
     left = [count]
 
     def skipping(iterator: Any) -> Any:

@@ -82,7 +82,7 @@ def broadcast_model_and_optimizer(
     )
     others = steps[:root] + steps[root + 1 :]
     if not any(others):  # a fresh start or root's resume (the local variables' slots too, harmlessly)
-        broadcast_variables(optimizer.variables, root)
+        broadcast_variables(_compat.optimizer_variables(optimizer), root)
         if steps[root] and state_per_process and distributed.init().rank != root:
             warnings.warn(
                 f"this process resumes from rank {root}'s checkpoint at step {steps[root]}, and its "
