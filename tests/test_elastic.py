@@ -47,11 +47,17 @@ pytestmark = pytest.mark.alone
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["strategy", "callback", "loop"])
+@pytest.mark.parametrize("mode", ["strategy", "callback", "loop", "keras2_horovod", "strategy_outer"])
 def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp_path: Path) -> None:
     """SIGKILL in rank 2's step: the survivors finish, equal on every rank, equal to a job that resumes
-    from the same commits with the new membership, each with its own optimizer state."""
-    code, log, _ = launch(tmp_path / "elastic", mode, 3, "--min-np", "2", env={"FAULT": "0:2:3:kill"})
+    from the same commits with the new membership, each with its own optimizer state. keras2_horovod is
+    Horovod's elastic tf.keras script under tf_keras (Keras 2); strategy_outer has windows of 2 steps and
+    an outer optimizer, whose state is committed and comes back the same on every process."""
+    keras_2 = {"TF_USE_LEGACY_KERAS": "1"} if mode.startswith("keras2") else {}
+    # The killed step is cut short, or ends before the kill: strategy_outer's group changes after an
+    # odd number of steps of windows of 2, between two syncs.
+    fault = "0:2:4:kill" if mode == "strategy_outer" else "0:2:3:kill"
+    code, log, _ = launch(tmp_path / "elastic", mode, 3, "--min-np", "2", env={"FAULT": fault, **keras_2})
     assert code == 0, tail(log)
     assert "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL" in log, tail(log)
     assert "group 1: 2 process(es)" in log and "group 2" not in log, tail(log)
@@ -80,9 +86,18 @@ def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp
     assert own[0] != own[1]
     for r in range(2):
         np.testing.assert_allclose(resumed[r]["optimizer"], own[r], rtol=1e-6)
+    if mode == "strategy_outer":  # the outer state: stepped before the loss, back the same everywhere
+        assert resumed[0]["batch"] % 2 == 1, resumed[0]  # mid-window
+        before = read(tmp_path / "elastic", "resumed-group0", 3)[0]["outer"]
+        assert resumed[0]["outer"] == resumed[1]["outer"] != before, (before, resumed[0]["outer"])
+        assert resumed[0]["outer"][0] >= 1  # the outer optimizer's iteration count: syncs before the loss
+        assert (
+            read(tmp_path / "elastic", "final", 2)[0]["outer"]
+            == read(tmp_path / "elastic", "final", 2)[1]["outer"]
+        )
 
     # The same commits, resumed by a new job of two: the same final weights, bit for bit.
-    code, log, _ = launch(tmp_path / "again", mode, 2, "--resume-from", str(group0))
+    code, log, _ = launch(tmp_path / "again", mode, 2, "--resume-from", str(group0), env=keras_2)
     assert code == 0, tail(log)
     assert [r["commit"] for r in read(tmp_path / "again", "resumed-group0", 2)] == [resumed[0]["commit"]] * 2
     for a, b in zip(found[0], weights(tmp_path / "again", 2)[0], strict=True):
@@ -346,6 +361,29 @@ def test_horovods_elastic_state_test_on_two_processes(tmp_path: Path) -> None:
         }
 
 
+@pytest.mark.multiprocess
+def test_horovods_elastic_tf_keras_script_runs_under_horovodrun_as_one_group(tmp_path: Path) -> None:
+    """Horovod's elastic tf.keras script (tf_keras, DistributedOptimizer(op=Adasum), KerasState and the
+    elastic callbacks) under horovodrun's Gloo mode, without an elastic driver: one group that does not
+    change, which trains as the same script does under `tf_adasum.run --elastic` with no fault."""
+    from tests.support.processes import launch as launch_plain
+    from tests.support.processes import log_tail
+
+    keras_2 = {"TF_USE_LEGACY_KERAS": "1"}
+    code = launch_plain(
+        "horovodrun", 2, tmp_path, [*WORKER, str(tmp_path), "keras2_horovod"], extra_env=keras_2
+    )
+    assert code == 0, log_tail(tmp_path)
+    final = read(tmp_path, "final", 2)
+    assert [(f["size"], f["epoch"], f["batch"]) for f in final] == [(2, 2, 0)] * 2
+    found = weights(tmp_path, 2)
+    assert_same_on_every_rank(found)
+    code, log, _ = launch(tmp_path / "elastic", "keras2_horovod", 2, env=keras_2)
+    assert code == 0, tail(log)
+    for a, b in zip(found[0], weights(tmp_path / "elastic", 2)[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_elastic_benchmark_smoke_run_goes_end_to_end(tmp_path: Path) -> None:
@@ -450,6 +488,56 @@ def test_state_commit_restore_and_the_optimizer_in_one_process() -> None:
         np.testing.assert_array_equal(v.numpy(), saved)
     for a, b in zip(model.get_weights(), weights_at_commit, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["optimizer", "legacy-optimizer"])
+def test_state_commit_and_restore_of_a_tf_keras_model_and_optimizer(legacy: bool) -> None:
+    """KerasState serves a tf_keras (Keras 2) model: its weights and its optimizer's state (tf_keras's
+    optimizer, or its legacy OptimizerV2, whose variables are a method) are committed and restored, and
+    the elastic callbacks run in tf_keras's fit."""
+    import tf_keras
+
+    from tf_adasum import _compat
+
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    model.compile((tf_keras.optimizers.legacy.Adam if legacy else tf_keras.optimizers.Adam)(0.1), "mse")
+    state = elastic.KerasState(model, epoch=0, batch=0)  # builds the optimizer
+    assert len(_compat.optimizer_variables(model.optimizer)) == 5
+    x, y = np.ones((8, 3), np.float32), np.zeros((8, 2), np.float32)
+    callbacks = [
+        elastic.UpdateEpochStateCallback(state),
+        elastic.UpdateBatchStateCallback(state),
+        elastic.CommitStateCallback(state, batches_per_commit=2),
+    ]
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=callbacks)
+    assert (state.epoch, state.batch) == (1, 0)
+    at_commit = [v.numpy().copy() for v in _compat.optimizer_variables(model.optimizer)]
+    weights_at_commit = model.get_weights()
+    assert int(model.optimizer.iterations) == 4
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+    state.restore()
+    assert int(model.optimizer.iterations) == 4
+    for v, saved in zip(_compat.optimizer_variables(model.optimizer), at_commit, strict=True):
+        np.testing.assert_array_equal(v.numpy(), saved)
+    for a, b in zip(model.get_weights(), weights_at_commit, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_resumed_tf_keras_fit_skips_the_batches_done() -> None:
+    """UpdateBatchStateCallback's resume inside tf_keras's fit: the batches done are read and dropped."""
+    import tf_keras
+
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    state = elastic.KerasState(model, epoch=0, batch=3)
+    seen: list[int] = []
+    record = tf_keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+    model.fit(
+        np.ones((10, 3), np.float32), np.zeros((10, 2), np.float32), batch_size=2, epochs=1, verbose=0,
+        callbacks=[elastic.UpdateBatchStateCallback(state), record],
+    )  # fmt: skip
+    assert int(model.optimizer.iterations) == 2, "5 batches, 3 of them done before the resume"
+    assert state.batch == 0 and seen == [0, 1, 2, 3, 4]
 
 
 def test_an_elastic_sync_spares_adasums_broadcast_before_the_first_step(

@@ -193,10 +193,11 @@ def _compiled_adasum(
 def allreduce_compressed(
     tensors: list[Any], op: ReduceOp, compression: str, names: Sequence[str]
 ) -> list[Any]:
-    """allreduce; with compression "fp16", float32 and float64 tensors travel as float16."""
+    """allreduce; with compression "fp16" ("bf16"), float32 and float64 tensors travel as float16
+    (bfloat16)."""
     if compression == "none":
         return allreduce(tensors, op=op, names=names)
-    return widened(allreduce(narrowed(tensors), op=op, names=names), tensors)
+    return widened(allreduce(narrowed(tensors, compression), op=op, names=names), tensors)
 
 
 def gradient_groups(
@@ -297,7 +298,8 @@ def allreduce_replicas(
             every process has the same tensors (shapes and dtypes); processes may hold different
             numbers of replicas. Process 0's replicas are the tree's first leaves, then process 1's...
         names: optional names of the tensors, used in error messages.
-        compression: "fp16": float32 and float64 tensors cross processes as float16.
+        compression: "fp16" ("bf16"): float32 and float64 tensors cross processes as float16
+            (bfloat16).
 
     Returns:
         The combined tensors, bitwise identical on every process.
@@ -332,8 +334,9 @@ def allreduce_replicas(
         first = max(counts) == 1
         if compression == "none":
             return fused_adasum.adasum(comm, combined, names, first=first)
-        return widened(fused_adasum.adasum(comm, narrowed(combined), names, first=first), combined)
-    return fused_adasum.tree_over_replicas(comm, local, counts, fp16=compression == "fp16")
+        narrow = narrowed(combined, compression)
+        return widened(fused_adasum.adasum(comm, narrow, names, first=first), combined)
+    return fused_adasum.tree_over_replicas(comm, local, counts, compression)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -26,6 +26,7 @@ from tf_adasum import _compat, callbacks
 from tf_adasum import tensorflow as _tf
 from tf_adasum._horovod.arguments import unsupported
 from tf_adasum._horovod.compression import check_compressor
+from tf_adasum._horovod.keras2_optimizer import load_keras_2_model, saved_by_keras_2
 from tf_adasum.tensorflow import (
     Adasum,
     Average,
@@ -160,9 +161,10 @@ def DistributedOptimizer(
     groups: Any = None,
     process_set: Any = None,
     scale_local_gradients: bool = True,
+    outer_optimizer: Any = None,
 ) -> _keras.optimizers.Optimizer:
     """Horovod's Keras DistributedOptimizer: tf_adasum.tensorflow.DistributedOptimizer, with the Keras
-    module's argument order.
+    module's argument order (and tf_adasum's outer_optimizer, for op=Adasum: see there).
 
     Returns:
         An AdasumOptimizer (op=Adasum: Adasum after the optimizer, every `backward_passes_per_step`
@@ -183,6 +185,7 @@ def DistributedOptimizer(
         groups=groups,
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
+        outer_optimizer=outer_optimizer,
     )
 
 
@@ -230,8 +233,15 @@ def load_model(
     custom_objects: Any = None,
     compression: Any = Compression.none,
     legacy_opts: bool = False,
+    op: Any = None,
 ) -> Any:
     """Horovod's load_model: keras.models.load_model, with tf_adasum's optimizers registered.
+
+    A file tf_keras (Keras 2) wrote (told from the file) is loaded by tf_keras, and its optimizer comes
+    back as DistributedOptimizer(op=op) of the saved class, with the state tf_keras restores; `op`
+    defaults to Average, Horovod's default (tf_keras calls no factory of `custom_objects` for its own
+    optimizers, so `op=hvd.Adasum` is how to resume Adasum). `op` is for such files only: a Keras 3
+    file brings its own optimizer back.
 
     A model saved with tf_adasum's DistributedOptimizer comes back with it. `custom_optimizers` (optimizer
     classes) are made known to the loader; `custom_objects` may map an optimizer's name to Horovod's
@@ -243,6 +253,13 @@ def load_model(
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or []:
         objects.setdefault(cls.__name__, cls)
+    if saved_by_keras_2(filepath):
+        return load_keras_2_model(filepath, objects, compression, Average if op is None else op)
+    if op is not None:
+        raise ValueError(
+            f"load_model: op= is for files tf_keras (Keras 2) wrote; {filepath} is a Keras 3 file, whose "
+            "optimizer comes back as it was saved"
+        )
     model = _keras.models.load_model(filepath, custom_objects=objects)
     stepping = _compat.loss_scale_inner(getattr(model, "optimizer", None))
     if isinstance(stepping, WrappedOptimizer):

@@ -58,10 +58,73 @@ class Replica:
         return out
 
 
+# Outer optimizers of the tests: (kind, learning rate, momentum), as Outer takes them.
+OUTERS = {
+    "sgd": ("sgd", 0.7, 0.0),
+    "nesterov": ("nesterov", 0.7, 0.9),
+    "momentum": ("momentum", 0.5, 0.5),
+    "adam": ("adam", 0.05, 0.0),
+}
+
+
+class Outer:
+    """An outer optimizer in float64 as Keras steps it: SGD (with momentum, with Nesterov's) or Adam,
+    stepping the anchor on the pseudo-gradient -combined at each sync."""
+
+    def __init__(self, kind: str, lr: float, momentum: float = 0.0) -> None:
+        self.kind, self.lr, self.momentum = kind, lr, momentum
+        self.m: list[np.ndarray] | None = None
+        self.v: list[np.ndarray] | None = None
+        self.t = 0
+
+    def step(self, anchor: list[np.ndarray], combined: list[np.ndarray]) -> list[np.ndarray]:
+        if self.m is None:
+            self.m = [np.zeros_like(a) for a in anchor]
+            self.v = [np.zeros_like(a) for a in anchor]
+        assert self.v is not None
+        self.t += 1
+        out = []
+        for i, (a, d) in enumerate(zip(anchor, combined, strict=True)):
+            g = -d
+            if self.kind == "adam":
+                alpha = self.lr * np.sqrt(1 - BETA_2**self.t) / (1 - BETA_1**self.t)
+                self.m[i] = self.m[i] + (g - self.m[i]) * (1 - BETA_1)
+                self.v[i] = self.v[i] + (g * g - self.v[i]) * (1 - BETA_2)
+                out.append(a - self.m[i] * alpha / (np.sqrt(self.v[i]) + EPSILON))
+            elif self.momentum == 0:
+                out.append(a - self.lr * g)
+            else:
+                self.m[i] = self.momentum * self.m[i] - self.lr * g
+                nesterov = self.kind == "nesterov"
+                out.append(a + (self.momentum * self.m[i] - self.lr * g if nesterov else self.m[i]))
+        return out
+
+    def keras(self) -> keras.optimizers.Optimizer:
+        if self.kind == "adam":
+            return keras.optimizers.Adam(self.lr, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+        return keras.optimizers.SGD(self.lr, momentum=self.momentum, nesterov=self.kind == "nesterov")
+
+
 def mse_grads(params: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
     """Gradients of Keras's mean squared error for the linear model x @ w + b, in float64."""
     err = x @ params[0] + params[1] - y
     return [2 * x.T @ err / err.size, 2 * err.sum(0) / err.size]
+
+
+def accumulated_adam(k: int, average: bool, passes: int = 8, batch: int = 8) -> list[np.ndarray]:
+    """Horovod's gradient accumulation on problem(), one process, Adam: each pass's gradient summed, and
+    at every k-th pass the sum (divided by k with `average`) stepped on; Adam's bias correction counts
+    passes, as the iteration count does."""
+    x, y, w, b = problem()
+    params = [w.astype(np.float64), b.astype(np.float64)]
+    adam, summed = Replica("adam", params), [np.zeros_like(p) for p in params]
+    for step in range(passes):
+        rows = slice(batch * step, batch * (step + 1))
+        summed = [s + g for s, g in zip(summed, mse_grads(params, x[rows], y[rows]), strict=True)]
+        if (step + 1) % k == 0:
+            params = adam.step(params, [s / k if average else s for s in summed], step + 1)
+            summed = [np.zeros_like(p) for p in params]
+    return params
 
 
 def simulate_replicas(
@@ -73,11 +136,14 @@ def simulate_replicas(
     writes: dict[int, list[np.ndarray]] | None = None,
     after_each_step: list[list[np.ndarray]] | None = None,
     mean_groups: list[int] | None = None,
+    outer: Outer | None = None,
+    combine: str = "adasum",
 ) -> list[np.ndarray]:
     """Replica r steps on batches[r] with its own optimizer state; every sync: the tree over the deltas.
 
     With `mean_groups` (each process's number of replicas, in order: local_reduction="mean"), every
-    sync is the tree over each group's mean delta instead.
+    sync is the tree over each group's mean delta instead; with combine="mean", the mean of every
+    replica's. With `outer`, the sync's new weights are its step from the anchor on the combined delta.
 
     Each replica's loss before each of its steps is appended to `losses`, when given. `writes[i]`, when
     given, is what a user writes into every replica before step i (set_weights, ...): the new weights,
@@ -105,7 +171,14 @@ def simulate_replicas(
                     [np.mean(parts, axis=0) for parts in zip(*deltas[a:b], strict=True)]
                     for a, b in itertools.pairwise(starts)
                 ]
-            anchor = [a + d for a, d in zip(anchor, oracle.tree(deltas), strict=True)]
+            if combine == "mean":
+                combined = [np.mean(parts, axis=0) for parts in zip(*deltas, strict=True)]
+            else:
+                combined = oracle.tree(deltas)
+            if outer is None:
+                anchor = [a + d for a, d in zip(anchor, combined, strict=True)]
+            else:
+                anchor = outer.step(anchor, combined)
             params = [list(anchor) for _ in range(p)]
         if after_each_step is not None:
             after_each_step.append(list(params[0]))
@@ -120,13 +193,17 @@ def simulate(
     global_batch: int,
     losses: list[float] | None = None,
     mean_groups: list[int] | None = None,
+    outer: Outer | None = None,
+    combine: str = "adasum",
 ) -> list[np.ndarray]:
     """The strategy's replicas: replica r takes the r-th contiguous share of every global batch."""
     x, y, w, b = problem()
     local = global_batch // p
     starts = [[s * global_batch + r * local for s in range(steps)] for r in range(p)]
     shares = [[(x[i : i + local], y[i : i + local]) for i in replica] for replica in starts]
-    return simulate_replicas(kind, [w, b], shares, sync_every, losses, mean_groups=mean_groups)
+    return simulate_replicas(
+        kind, [w, b], shares, sync_every, losses, mean_groups=mean_groups, outer=outer, combine=combine
+    )
 
 
 def build_linear(strategy: tf.distribute.Strategy, make_optimizer: Any) -> keras.Model:

@@ -3,9 +3,14 @@
 
 Modes:
     strategy       model.fit under AdasumStrategy(), Horovod's elastic callbacks
+    strategy_outer as strategy, with sync_every=2 and an outer optimizer (SGD with momentum): the
+                   processes change between two syncs
     callback       a plain model.fit with AdasumCallback, each process its share
     loop           a GradientTape loop: tf_adasum.tensorflow's DistributedOptimizer (Adasum) and
                    TensorFlowKerasState, a commit per batch
+    keras2_horovod Horovod's elastic tf.keras script under tf_keras (the test sets TF_USE_LEGACY_KERAS=1):
+                   DistributedOptimizer(Adam, op=Adasum), KerasState and the elastic callbacks, each
+                   process its share
     horovod_state  Horovod's test_elastic_state, on 2 ranks: sync takes rank 0's state, restore and
                    commit as Horovod's (under the plain launcher)
 
@@ -46,6 +51,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -83,9 +89,15 @@ def my_share(array: np.ndarray, rank: int, size: int) -> np.ndarray:
     return batches[:, first:last].reshape(-1, *array.shape[1:])
 
 
+def _keras() -> Any:
+    """Keras 3, or tf_keras where `tf.keras` names it (TF_USE_LEGACY_KERAS=1: the keras2_* modes)."""
+    return tf.keras if tf.keras.__name__.startswith("tf_keras") else keras
+
+
 def model_in(scope: tf.distribute.Strategy | None) -> keras.Model:
+    k = _keras()
     with scope.scope() if scope is not None else _nothing():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model = k.Sequential([k.Input((3,)), k.layers.Dense(2)])
         model.set_weights([np.full((3, 2), 0.1, np.float32), np.zeros(2, np.float32)])
     return model
 
@@ -163,7 +175,7 @@ def kill_in_commit(state: elastic.State, batch_of_commit: callable) -> None:
     state.check_host_updates = dying_check
 
 
-class Faults(keras.callbacks.Callback):
+class Faults(tf_adasum._compat.Keras2CallbackProtocol, keras.callbacks.Callback):
     """The faults, at each batch trained: not at the `skip` batches a resumed epoch reads and drops."""
 
     def __init__(self, out: Path, skip: int = 0) -> None:
@@ -190,9 +202,16 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "host": socket.gethostname(),
         "warm": ENV_STANDBY in os.environ,  # a process of the launcher's pool
         "forwarded": "FORWARDED_SECRET" in os.environ,  # a secret the launcher's environment held
-        "learning_rate": float(keras.ops.convert_to_numpy(state.optimizer.learning_rate)),
+        "learning_rate": float(tf.convert_to_tensor(state.optimizer.learning_rate)),
         # Each process's own optimizer state (Adam's moments differ by process under Adasum).
-        "optimizer": [float(np.sum(np.abs(v.numpy()))) for v in state.optimizer.variables],
+        "optimizer": [
+            float(np.sum(np.abs(v.numpy()))) for v in tf_adasum._compat.optimizer_variables(state.optimizer)
+        ],
+        # The outer optimizer's state (strategy_outer), which must be one and the same everywhere.
+        "outer": [
+            v.numpy().tolist()
+            for v in getattr(getattr(state.optimizer, "outer_optimizer", None), "variables", [])
+        ],
     }
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(info))
 
@@ -220,6 +239,19 @@ def strategy(out: Path) -> None:
     fit(out, model, x, y, GLOBAL_BATCH, [])
 
 
+def strategy_outer(out: Path) -> None:
+    """model.fit under AdasumStrategy(sync_every=2, outer_optimizer=...): the outer state is committed."""
+    tf_adasum.init()
+    prelude()
+    x, y = data()
+    outer = keras.optimizers.SGD(0.5, momentum=0.5)
+    adasum = tf_adasum.AdasumStrategy(sync_every=2, outer_optimizer=outer)
+    model = model_in(adasum)
+    with adasum.scope():
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    fit(out, model, x, y, GLOBAL_BATCH, [])
+
+
 def callback(out: Path) -> None:
     """A plain model.fit with AdasumCallback: each process is given its share of every global batch."""
     comm = tf_adasum.init()
@@ -230,6 +262,22 @@ def callback(out: Path) -> None:
     fit_x, fit_y = my_share(x, comm.rank, comm.size), my_share(y, comm.rank, comm.size)
     batch = len(fit_x) // (ROWS // GLOBAL_BATCH)
     fit(out, model, fit_x, fit_y, batch, [tf_adasum.AdasumCallback()])
+
+
+def keras2_horovod(out: Path) -> None:
+    """Horovod's elastic tf.keras script with its import changed, under tf_keras."""
+    import tf_adasum.keras as hvd
+
+    assert tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
+    hvd.init()
+    prelude()
+    x, y = data()
+    model = model_in(None)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.05), op=hvd.Adasum), loss="mse"
+    )
+    fit_x, fit_y = my_share(x, hvd.rank(), hvd.size()), my_share(y, hvd.rank(), hvd.size())
+    fit(out, model, fit_x, fit_y, len(fit_x) // (ROWS // GLOBAL_BATCH), [])
 
 
 def fit(out: Path, model: keras.Model, fit_x: np.ndarray, fit_y: np.ndarray, batch: int, extra: list) -> None:
@@ -348,7 +396,14 @@ def horovod_state(out: Path) -> None:
     (out / f"horovod_state-rank{hvd.rank()}.json").write_text(json.dumps(results))
 
 
-MODES = {"strategy": strategy, "callback": callback, "loop": loop, "horovod_state": horovod_state}
+MODES = {
+    "strategy_outer": strategy_outer,
+    "strategy": strategy,
+    "callback": callback,
+    "loop": loop,
+    "keras2_horovod": keras2_horovod,
+    "horovod_state": horovod_state,
+}
 
 if __name__ == "__main__":
     main(MODES)

@@ -23,6 +23,10 @@ Modes:
     mixed_precision  mixed_float16 under AdasumStrategy, rank 1's share of the first batch overflowing
     resume           AdasumStrategy: k steps, save, restore, k more, against 2k at once
     writes           weights written between two fits (set_weights, EarlyStopping's restore)
+    outer            AdasumStrategy(sync_every, outer_optimizer, combine, compression) for OUTER_CASES, one
+                     replica per process: OUT/outer_{case}{r}.npz (the weights, then the outer
+                     optimizer's variables); then Horovod's recipe with DistributedOptimizer(op=Adasum,
+                     outer_optimizer=...): OUT/outer_horovod{r}.npz
     threads          many short compiled all-reduces, then many short fits under AdasumStrategy: the
                      threads the process holds after each, OUT/threads{r}.json
 
@@ -381,6 +385,63 @@ def strategy(out: Path) -> None:
     (out / f"strategy{comm.rank}.json").write_text(json.dumps(info))
 
 
+# (outer optimizer, sync_every, combine, compression): tests/test_outer_optimizer.py's cases across
+# processes.
+OUTER_CASES = [
+    ("nesterov", 4, "adasum", "none"),
+    ("adam", 1, "adasum", "none"),
+    ("nesterov", 4, "mean", "none"),
+    ("nesterov", 4, "adasum", "bf16"),
+    ("nesterov", 4, "adasum", "fp16"),
+    ("nesterov", 4, "mean", "bf16"),
+]
+
+
+def outer(out: Path) -> None:
+    from tests.support.training import OUTERS, Outer, build_linear, make_inner, problem
+
+    comm = tf_adasum.init()
+    x, y, _, _ = problem()
+    for kind, sync_every, combine, compression in OUTER_CASES:
+        adasum = tf_adasum.AdasumStrategy(
+            sync_every=sync_every,
+            outer_optimizer=Outer(*OUTERS[kind]).keras(),
+            combine=combine,
+            compression=compression,
+        )
+        model = build_linear(adasum, lambda: make_inner("sgd_momentum"))
+        model.set_weights([w + comm.rank for w in model.get_weights()])  # all start from rank 0's
+        rows = 2 * comm.size * 8  # 8 global batches, 2 rows per process
+        model.fit(x[:rows], y[:rows], batch_size=2 * comm.size, shuffle=False, verbose=0)
+        state = [v.numpy() for v in model.optimizer.outer_optimizer.variables]
+        name = f"outer_{kind}_{sync_every}_{combine}_{compression}"
+        np.savez(out / f"{name}{comm.rank}.npz", *model.get_weights(), *state)
+    # Horovod's recipe with the one extension: no strategy, each process reads its own rows.
+    import keras
+
+    import tf_adasum.keras as hvd
+
+    kind, sync_every = "nesterov", 4
+    optimizer = hvd.DistributedOptimizer(
+        make_inner("sgd_momentum"),
+        op=hvd.Adasum,
+        backward_passes_per_step=sync_every,
+        outer_optimizer=Outer(*OUTERS[kind]).keras(),
+    )
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([w + comm.rank for w in problem()[2:]])  # the first step takes rank 0's
+    model.compile(optimizer=optimizer, loss="mse")
+    mine = np.concatenate(
+        [
+            np.arange(s * 2 * comm.size + 2 * comm.rank, s * 2 * comm.size + 2 * comm.rank + 2)
+            for s in range(8)
+        ]
+    )
+    model.fit(x[mine], y[mine], batch_size=2, shuffle=False, verbose=0)
+    state = [v.numpy() for v in model.optimizer.outer_optimizer.variables]
+    np.savez(out / f"outer_horovod{comm.rank}.npz", *model.get_weights(), *state)
+
+
 def batchnorm(out: Path) -> None:
     """BatchNorm: its moving statistics are averaged over processes, so every weight agrees."""
     import keras
@@ -555,6 +616,7 @@ MODES = {
     "resume": resume,
     "writes": writes,
     "threads": threads,
+    "outer": outer,
 }
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@
     The eager context's abort of every collective of this process, which MultiWorkerMirroredStrategy's
     health check calls (abort_collectives): an elastic job's processes call it when the launcher ends
     their group. Optional: without it, they learn of a lost peer when TensorFlow's runtime does.
+`cross-replica optimizer steps`
+    Whether a strategy asks for merge_call (its extended's `_use_merge_call`, which tf.distribute's
+    maybe_merge_call consults): a Keras optimizer's apply merges into cross-replica context by it, and
+    from cross-replica context, where the outer optimizer steps the synced weights
+    (steps_in_cross_replica_context), there is no replica context to merge from. Optional: without it,
+    outer_optimizer is refused under a strategy.
 `coordination service`
     Whether the eager context runs TensorFlow's coordination service (coordination_service_on), whose
     heartbeats notice a lost peer. Optional: without it, the TF engine gives each collective the timeout,
@@ -24,8 +30,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -238,3 +245,39 @@ def coordination_service_on() -> bool:
     from tensorflow.python.eager import context
 
     return bool(context.context().coordination_service)
+
+
+# --- cross-replica optimizer steps -----------------------------------------------------------------
+
+
+@register(
+    "cross-replica optimizer steps",
+    "an outer optimizer (outer_optimizer=...) cannot step under a tf.distribute strategy",
+    required=False,
+)
+def _check_cross_replica_steps() -> str | None:
+    from tensorflow.python.distribute import merge_call_interim
+
+    if not uses(merge_call_interim.maybe_merge_call, "strategy_supports_no_merge_call"):
+        return "maybe_merge_call no longer asks strategy_supports_no_merge_call"
+    if not uses(merge_call_interim.strategy_supports_no_merge_call, "_use_merge_call"):
+        return "strategy_supports_no_merge_call no longer asks the strategy's _use_merge_call"
+    if not callable(getattr(_mirrored_extended(), "_use_merge_call", None)):
+        return "MirroredExtended no longer has _use_merge_call"
+    return None
+
+
+@contextlib.contextmanager
+def steps_in_cross_replica_context(strategy: Any) -> Iterator[None]:
+    """While it lasts, a Keras optimizer's apply runs in `strategy`'s cross-replica context: its
+    update, weight decay and moving average call their functions directly (tf.distribute's
+    maybe_merge_call, told by `_use_merge_call` that no merge is needed) instead of merging from a replica
+    context there is none of. Their `extended.update` then writes every replica's copy with the same
+    value, as from a merge. Every replica thread waits in the merge_call that runs this."""
+    require("cross-replica optimizer steps")
+    extended = strategy.extended
+    extended._use_merge_call = lambda: False
+    try:
+        yield
+    finally:
+        del extended._use_merge_call

@@ -1,7 +1,7 @@
 """Horovod's DistributedOptimizer and PartialDistributedOptimizer for Keras 3 optimizers: op=Adasum is the
 paper's Adasum after the optimizer (an AdasumOptimizer); op=Average and Sum all-reduce the gradients
 before it (an AllreduceOptimizer). A tf_keras (Keras 2) optimizer gets the same two behaviours from
-keras2_optimizer.py, with the default backward_passes_per_step and groups."""
+keras2_optimizer.py, with backward_passes_per_step for op=Adasum and without groups."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def DistributedOptimizer(
     groups: Any = None,
     process_set: Any = None,
     scale_local_gradients: bool = True,
+    outer_optimizer: Any = None,
 ) -> keras.optimizers.Optimizer:
     """Horovod's DistributedOptimizer for a Keras 3 optimizer, in a custom loop or under model.fit.
 
@@ -61,6 +62,9 @@ def DistributedOptimizer(
             (AllreduceOptimizer); num_groups is its older name.
         use_locking, device_dense, device_sparse, gradient_predivide_factor, process_set: only their
             defaults are supported; anything else raises.
+        outer_optimizer: tf_adasum's, not Horovod's: with op=Adasum, a Keras optimizer that each sync
+            steps on the combined deltas, from the weights of the last sync
+            (docs/training/outer-optimizer.md); a ValueError with Average or Sum, or a tf_keras optimizer.
 
     Returns:
         An AdasumOptimizer (op=Adasum) or AllreduceOptimizer (op=Average/Sum) around `optimizer`.
@@ -79,14 +83,35 @@ def DistributedOptimizer(
     groups = groups_argument(where, num_groups, groups)
     model_sync.check_positive_integer("backward_passes_per_step", backward_passes_per_step)
     engine.init()
+    _compat.install_keras_2_mixing_guard()  # a tf.keras model compiled with a Keras 3 one: refused clearly
+    if chosen is Adasum and average_aggregated_gradients and backward_passes_per_step > 1:
+        raise ValueError(
+            f"{where}(op=Adasum, average_aggregated_gradients=True): with Adasum after the optimizer "
+            "each of the backward_passes_per_step passes is a local step of its own, and nothing is "
+            "aggregated to average; leave average_aggregated_gradients False"
+        )
+    if outer_optimizer is not None and (chosen is not Adasum or _compat.keras_2_name(optimizer) is not None):
+        got = f"op={chosen.name.title()}" if chosen is not Adasum else "a tf_keras optimizer"
+        raise ValueError(
+            f"{where}(outer_optimizer=...) steps the Adasum of the model deltas after the optimizer: it "
+            f"takes op=Adasum and a Keras 3 optimizer, got {got}"
+        )
     if _compat.keras_2_name(optimizer) is not None:
-        if backward_passes_per_step > 1 or groups:
-            raise NotImplementedError(
-                f"{where}(backward_passes_per_step={backward_passes_per_step}, groups={groups!r}) on a "
-                "tf_keras (Keras 2) optimizer: only the defaults are built for tf_keras; Keras 3 optimizers "
-                "(keras.optimizers.*) take them"
+        if chosen is Adasum and getattr(optimizer, "use_ema", False):
+            raise ValueError(
+                f"{where}(op=Adasum) on a tf_keras {type(optimizer).__name__}(use_ema=True): tf_keras "
+                "updates the moving average inside its step, before Adasum, so it would follow this "
+                "process's weights, not the combined ones. Use use_ema=False under tf_keras, or a Keras 3 "
+                "optimizer, where the combination comes first"
             )
-        return keras_2_distributed_optimizer(optimizer, chosen, compression, name)
+        if groups:
+            raise NotImplementedError(
+                f"{where}(groups={groups!r}) on a tf_keras (Keras 2) optimizer: groups are built for Keras 3 "
+                "optimizers (keras.optimizers.*)"
+            )
+        return keras_2_distributed_optimizer(
+            optimizer, chosen, compression, name, backward_passes_per_step, average_aggregated_gradients
+        )
     if chosen is Adasum:
         if groups:
             raise NotImplementedError(
@@ -95,16 +120,14 @@ def DistributedOptimizer(
                 "call a sync. For Adasum of the gradients in groups, use "
                 "DistributedGradientTape(op=Adasum, groups=...)"
             )
-        if average_aggregated_gradients and backward_passes_per_step > 1:
-            raise ValueError(
-                f"{where}(op=Adasum, average_aggregated_gradients=True): with Adasum after the optimizer "
-                "each of the backward_passes_per_step passes is a local step of its own, and nothing is "
-                "aggregated to average; leave average_aggregated_gradients False"
-            )
         # Named as the script names it: use_ema with backward_passes_per_step > 1 is refused.
         optimizer_options.check(optimizer, backward_passes_per_step, "backward_passes_per_step")
         return AdasumOptimizer(
-            optimizer, sync_every=backward_passes_per_step, name=name, compression=compression.name
+            optimizer,
+            sync_every=backward_passes_per_step,
+            name=name,
+            compression=compression.name,
+            outer_optimizer=outer_optimizer,
         )
     return AllreduceOptimizer(
         optimizer,

@@ -75,7 +75,10 @@ def _finite(x: tf.Tensor, what: str) -> tf.Tensor:
 
 
 def tree_over_replicas(
-    comm: Communicator, per_replica: Sequence[Sequence[tf.Tensor]], counts: Sequence[int], fp16: bool = False
+    comm: Communicator,
+    per_replica: Sequence[Sequence[tf.Tensor]],
+    counts: Sequence[int],
+    compressed: str = "none",
 ) -> list[tf.Tensor]:
     """The contract tree over every replica of every process, for any numbers of replicas per process.
 
@@ -94,7 +97,7 @@ def tree_over_replicas(
         per_replica: this process's replicas' tensors, counts[comm.rank] lists, already checked to match
             every other process's and to be finite (no agreement runs here).
         counts: every process's number of replicas, in rank order.
-        fp16: float32 and float64 roots cross processes as float16 (compression="fp16").
+        compressed: "fp16" ("bf16"): float32 and float64 roots cross processes as float16 (bfloat16).
     """
     total = sum(counts)
     firsts = np.cumsum([0, *counts]).tolist()
@@ -115,9 +118,11 @@ def tree_over_replicas(
         # tensors come back out as views of what arrived.
         fused = fusion.fuse(flat, [k * n + i for k in range(width) for i in index])
         buffer = fused.buffer
-        narrow = fp16 and compression.narrows(buffer.dtype)
-        gathered = comm.allgather_buffer(tf.cast(buffer, tf.float16) if narrow else buffer)
-        if narrow:  # a subtree result beyond float16's range; every process sees the same data
+        narrow = compressed != "none" and compression.narrows(buffer.dtype)
+        wire = compression.WIRE_DTYPES.get(compressed)
+        gathered = comm.allgather_buffer(tf.cast(buffer, wire) if narrow else buffer)
+        if narrow and compressed == "fp16":  # a subtree result beyond float16's range; every process
+            # sees the same data (bfloat16 has float32's range)
             gathered = _finite(gathered, "compression='fp16': a subtree result overflows float16")
         gathered = tf.reshape(tf.cast(gathered, buffer.dtype) if narrow else gathered, [-1])
         parts = tf.split(gathered, comm.size * width)  # each root's stretch is aligned: views

@@ -33,7 +33,8 @@ class AllreduceOptimizer(WrappedOptimizer):
         inner: any Keras 3 optimizer.
         op: tf_adasum.Average or tf_adasum.Sum.
         name: optional name; default "allreduce_<inner name>".
-        compression: "none", or "fp16" to send float32/float64 gradients as float16.
+        compression: "none", or "fp16" ("bf16") to send float32/float64 gradients as float16
+            (bfloat16).
         backward_passes_per_step: Horovod's gradient accumulation: each process sums its gradients
             over this many steps, then they are all-reduced once and the inner optimizer steps; in
             between the weights stay as they are and only the iteration count moves, as in Horovod.

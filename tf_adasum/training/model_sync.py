@@ -21,10 +21,13 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
+from tf_adasum.common.errors import NonFiniteUpdateError
 from tf_adasum.common.variables import replica_values, tf_variable, variable_name
 from tf_adasum.ops import squared_norms
 
@@ -44,6 +47,50 @@ def check_positive_integer(name: str, value: Any) -> int:
 def check_sync_every(sync_every: Any) -> int:
     """The one check of `sync_every` for AdasumOptimizer, AdasumStrategy and AdasumCallback."""
     return check_positive_integer("sync_every", sync_every)
+
+
+COMBINES = ("adasum", "mean")
+
+
+def check_combine(combine: Any) -> str:
+    """The one check of `combine`: how a sync combines the replicas' deltas, "adasum" (the contract
+    tree) or "mean" (their average over every replica of every process: local SGD as DiLoCo publishes
+    it, to compare with)."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+    return str(combine)
+
+
+def check_outer_optimizer(outer: Any) -> Any:
+    """None, or a Keras 3 optimizer to step the combined deltas with (a name or a config, as
+    keras.optimizers.get takes them, is made into one). Returns the optimizer."""
+    if outer is None:
+        return None
+    if isinstance(outer, dict):
+        outer = keras.optimizers.deserialize(outer)
+    elif isinstance(outer, str):
+        outer = keras.optimizers.get(outer)
+    _compat.require_keras_3(outer, "outer_optimizer")
+    if not isinstance(outer, keras.optimizers.Optimizer) or isinstance(
+        outer, keras.optimizers.LossScaleOptimizer
+    ):
+        got = f"{type(outer).__module__}.{type(outer).__name__}"
+        raise TypeError(
+            "outer_optimizer is a plain Keras optimizer that steps the combined deltas (keras.optimizers."
+            f"SGD(0.5, momentum=0.5, nesterov=True), ...), got {got}"
+        )
+    if getattr(outer, "_tf_adasum_syncs", False):
+        raise ValueError(
+            f"outer_optimizer {outer.name!r} is a tf_adasum wrapper: the outer step runs once the replicas "
+            "are combined, on every process alike; pass the plain optimizer"
+        )
+    return outer
+
+
+def outer_copy(outer: Any) -> Any:
+    """A fresh outer optimizer of `outer`'s config, created here (under the caller's strategy scope,
+    where its state must live): an optimizer made before the strategy cannot keep mirrored state."""
+    return keras.optimizers.deserialize(keras.optimizers.serialize(outer))
 
 
 class SyncStats:
@@ -94,6 +141,8 @@ def sync_deltas(
     anchors: list[Any],
     compression: str = "none",
     stats: SyncStats | None = None,
+    outer: Any = None,
+    combine: str = "adasum",
 ) -> tf.Tensor:
     """Replaces every replica's weights by `anchor + Adasum(w_replica - anchor)`.
 
@@ -101,6 +150,11 @@ def sync_deltas(
     process (distributed.allreduce_replicas); every replica and every process then holds the same
     weights, bitwise. Runs in cross-replica context (or with no strategy). With `stats`, also
     records the squared norms OrthogonalityMonitor reads.
+
+    With combine="mean", the deltas are averaged over every replica of every process instead. With an
+    `outer` optimizer (built on `variables`), the weights go back to the anchors and the outer optimizer
+    steps them on the pseudo-gradient `-combined` (DiLoCo's outer step): its state is one copy, the same
+    on every replica and process, since every one of them steps it on the same values.
     """
     per_variable = [replica_values(v) for v in variables]
     anchor_values = [replica_values(a)[0] for a in anchors]
@@ -110,34 +164,114 @@ def sync_deltas(
         for r in range(replicas)
     ]
     names = [variable_name(v) for v in variables]
-    mean = replicas > 1 and getattr(distribution, "local_reduction", "adasum") == "mean"
-    # In a traced step, buckets of about $TF_ADASUM_BUCKET_MB (0, the default: one call), the last
-    # variables' first: each bucket's sync waits only for its own variables' updates, which wait only
-    # for their own gradients, so it starts while the backward pass computes the earlier layers'.
-    # Every tensor keeps its own coefficients, so no bit of the result depends on the buckets.
-    delta: list[Any] = [None] * len(variables)
     with agreement.one_step_of_syncs():
-        for index in distributed.gradient_groups(per_replica[0] if replicas else [], None, None, "the sync"):
-            part = [[deltas[i] for i in index] for deltas in per_replica]
-            if mean:
-                # AdasumStrategy(local_reduction="mean"): this process's replicas averaged by
-                # TensorFlow's own cross-device all-reduce (NCCL between GPUs), then Adasum over the
-                # processes.
-                part = [local_mean(distribution, part, [variables[i] for i in index])]
-            combined = distributed.allreduce_replicas(part, [names[i] for i in index], compression)
-            for i, value in zip(index, combined, strict=True):
-                delta[i] = value
+        if combine == "mean":
+            delta = mean_over_every_replica(per_replica, names, compression)
+        else:
+            delta = adasum_over_every_replica(distribution, per_replica, variables, names, compression)
     deltas_sq = tf.add_n([squared_norms(d) for d in per_replica]) if stats is not None else None
     if distributed.init().size > 1:
         if deltas_sq is not None:
             deltas_sq = distributed.allreduce(deltas_sq, op=distributed.Sum)
     if stats is not None:
         stats.record(deltas_sq, squared_norms(delta))
+    if outer is not None:
+        outer_step(distribution, outer, variables, anchor_values, delta)
+        return tf.constant(True)
     for variable, anchor_value, d in zip(variables, anchor_values, delta, strict=True):
         distribution.extended.update(
             tf_variable(variable), lambda var, new: var.assign(new), args=(anchor_value + d,), group=False
         )
     return tf.constant(True)
+
+
+def adasum_over_every_replica(
+    distribution: tf.distribute.Strategy,
+    per_replica: list[list[tf.Tensor]],
+    variables: list[Any],
+    names: list[str],
+    compression: str,
+) -> list[tf.Tensor]:
+    """Each tensor's Adasum over every replica of every process by the contract tree (per_replica[j]:
+    this process's replica j's list); with AdasumStrategy(local_reduction="mean"), over each process's
+    mean instead."""
+    mean = len(per_replica) > 1 and getattr(distribution, "local_reduction", "adasum") == "mean"
+    # In a traced step, buckets of about $TF_ADASUM_BUCKET_MB (0, the default: one call), the last
+    # variables' first: each bucket's sync waits only for its own variables' updates, which wait only
+    # for their own gradients, so it starts while the backward pass computes the earlier layers'.
+    # Every tensor keeps its own coefficients, so no bit of the result depends on the buckets.
+    delta: list[Any] = [None] * len(variables)
+    for index in distributed.gradient_groups(per_replica[0] if per_replica else [], None, None, "the sync"):
+        part = [[deltas[i] for i in index] for deltas in per_replica]
+        if mean:
+            # AdasumStrategy(local_reduction="mean"): this process's replicas averaged by TensorFlow's
+            # own cross-device all-reduce (NCCL between GPUs), then Adasum over the processes.
+            part = [local_mean(distribution, part, [variables[i] for i in index])]
+        combined = distributed.allreduce_replicas(part, [names[i] for i in index], compression)
+        for i, value in zip(index, combined, strict=True):
+            delta[i] = value
+    return delta
+
+
+def mean_over_every_replica(
+    per_replica: list[list[tf.Tensor]], names: list[str], compression: str
+) -> list[tf.Tensor]:
+    """Each tensor's mean over every replica of every process (per_replica[j]: this process's replica
+    j's list): the local sums, this process's count of replicas, and per tensor its count of replicas
+    whose delta is not finite, summed across processes in one call, so that processes holding
+    different numbers of replicas weigh each replica alike, and a NaN or Inf anywhere raises
+    NonFiniteUpdateError on every process before any weight is written, as the tree's does."""
+    sums = [tf.add_n(list(parts)) if len(parts) > 1 else parts[0] for parts in zip(*per_replica, strict=True)]
+    norms = tf.stack([squared_norms(list(r)) for r in per_replica])
+    counts = tf.concat(
+        [[float(len(per_replica))], tf.reduce_sum(tf.cast(~tf.math.is_finite(norms), tf.float32), 0)], 0
+    )
+    if distributed.init().size > 1:
+        *sums, counts = distributed.allreduce_compressed(
+            [*sums, counts], distributed.Sum, compression, [*names, "the counts of replicas"]
+        )
+    counts = tf.cast(counts, tf.float32)
+
+    def raise_naming(bad: np.ndarray) -> np.ndarray:
+        where = [f"{names[i]} ({int(n)} replica(s))" for i, n in enumerate(bad) if n > 0]
+        if where:
+            raise NonFiniteUpdateError(
+                f"the update of some replica is not finite ({'; '.join(where)} hold NaN or Inf); every "
+                f"replica stops at this step. {agreement.NONFINITE_ADVICE}"
+            )
+        return np.asarray(True)
+
+    if tf.executing_eagerly():
+        raise_naming(counts[1:].numpy())
+        return [s / tf.cast(counts[0], s.dtype) for s in sums]
+    checked = tf.numpy_function(raise_naming, [counts[1:]], tf.bool, stateful=True)
+    with tf.control_dependencies([checked]):
+        return [s / tf.cast(counts[0], s.dtype) for s in sums]
+
+
+def outer_step(
+    distribution: tf.distribute.Strategy,
+    outer: Any,
+    variables: list[Any],
+    anchor_values: list[tf.Tensor],
+    combined: list[tf.Tensor],
+) -> None:
+    """Every replica's weights back to the window's anchors, then one step of the outer optimizer on the
+    pseudo-gradient `anchor - (anchor + combined)`, in cross-replica context (or with no strategy).
+
+    Keras steps each replica's copy of a variable and of the outer optimizer's slots (mirrored, created
+    under the strategy) with the same value, so the state stays one and the same everywhere.
+    """
+    # Nothing is written before the combination is through its checks (a NaN raises there): not the
+    # anchors, and not the outer optimizer's iteration count, which depends on no gradient.
+    with tf.control_dependencies(combined):
+        for variable, anchor_value in zip(variables, anchor_values, strict=True):
+            distribution.extended.update(
+                tf_variable(variable), lambda var, new: var.assign(new), args=(anchor_value,), group=False
+            )
+        strategy = tf.distribute.has_strategy()
+        with _compat.steps_in_cross_replica_context(distribution) if strategy else contextlib.nullcontext():
+            outer.apply([-d for d in combined], variables)
 
 
 def start_window(
@@ -245,18 +379,20 @@ def sync_if_due(
     sync_every: int,
     compression: str = "none",
     stats: SyncStats | None = None,
+    outer: Any = None,
+    combine: str = "adasum",
 ) -> None:
     """sync_deltas after every `sync_every`-th optimizer step (`iterations`, already incremented)."""
+
+    def sync() -> tf.Tensor:
+        return sync_deltas(distribution, variables, anchors, compression, stats, outer, combine)
+
     # In cross-replica context: a cond here may contain the collectives of the sync.
     if sync_every == 1:
-        sync_deltas(distribution, variables, anchors, compression, stats)
+        sync()
         return
     due = tf.equal(tf.math.floormod(iterations, sync_every), 0)
-    tf.cond(
-        due,
-        lambda: sync_deltas(distribution, variables, anchors, compression, stats),
-        lambda: tf.constant(False),
-    )
+    tf.cond(due, sync, lambda: tf.constant(False))
 
 
 def finite_everywhere(finite: tf.Tensor) -> tf.Tensor:

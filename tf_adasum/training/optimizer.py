@@ -228,7 +228,15 @@ class AdasumOptimizer(WrappedOptimizer):
             the inner optimizer's gradient_accumulation_steps, how many of its updates).
         name: optional name; default "adasum_<inner name>".
         root: across processes, the rank whose initial weights every process starts from.
-        compression: "none", or "fp16" to send float32/float64 deltas across processes as float16.
+        compression: "none", or "fp16" ("bf16") to send float32/float64 deltas across processes as
+            float16 (bfloat16).
+        outer_optimizer: None (each sync adds the combined deltas to the weights), or a Keras
+            optimizer (or its name) that each sync steps from the window's first weights on the
+            pseudo-gradient `-combined` (local SGD with an outer optimizer, as DiLoCo has it). Its state
+            is one copy, the same on every replica and process, saved and restored with this
+            optimizer's. An optimizer made outside the strategy's scope is copied from its config.
+        combine: how a sync combines the replicas' deltas: "adasum" (the contract tree), or "mean"
+            (their average over every replica of every process: DiLoCo as published, to compare with).
 
     Raises:
         TypeError: `inner` is not a Keras optimizer.
@@ -247,6 +255,8 @@ class AdasumOptimizer(WrappedOptimizer):
         name: str | None = None,
         root: int = 0,
         compression: str = "none",
+        outer_optimizer: Any = None,
+        combine: str = "adasum",
     ) -> None:
         if isinstance(inner, AdasumOptimizer):
             raise ValueError("the inner optimizer is already an AdasumOptimizer")
@@ -256,6 +266,18 @@ class AdasumOptimizer(WrappedOptimizer):
         optimizer_options.check(inner, self.sync_every)
         self.root = root
         self.compression = check_compression(compression)
+        self.combine = model_sync.check_combine(combine)
+        outer = model_sync.check_outer_optimizer(outer_optimizer)
+        if outer is inner:
+            raise ValueError(
+                f"outer_optimizer is the inner optimizer {inner.name!r}: the outer step needs an optimizer "
+                "of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, nesterov=True), ...)"
+            )
+        if outer is not None and _compat.strategy_of(outer) is not tf.distribute.get_strategy():
+            outer = model_sync.outer_copy(outer)  # its state must live under this optimizer's strategy
+        self.outer_optimizer = outer
+        if outer is not None:
+            _compat.track(self, outer, "outer")
         # Each replica must step on its own gradient: no cross-replica sum inside the inner optimizer.
         _compat.disable_gradient_sum(inner)
         self._replica_state = ReplicaState(self)
@@ -264,7 +286,7 @@ class AdasumOptimizer(WrappedOptimizer):
 
     def build(self, var_list: list[Any]) -> None:
         current = tf.distribute.get_strategy()
-        for optimizer in (self, self.inner_optimizer):
+        for optimizer in (self, self.inner_optimizer, *self._outer()):
             created_under = _compat.strategy_of(optimizer)
             if created_under is not current:
                 raise ValueError(
@@ -278,6 +300,8 @@ class AdasumOptimizer(WrappedOptimizer):
         # root's weights at the first step instead (_broadcast_at_the_first_step).
         self._broadcast_owed = True
         self.inner_optimizer.build(var_list)  # restores deferred by tf.train.Checkpoint happen in here
+        for outer in self._outer():
+            outer.build([v for v in var_list if not self.is_local(v)])
         if self._replica_state.pending is not None:
             stacked, self._replica_state.pending = self._replica_state.pending, None
             self._replica_state.spread(stacked)
@@ -378,7 +402,15 @@ class AdasumOptimizer(WrappedOptimizer):
         def sync_then_record(distribution: Any) -> None:
             stats = model_sync.sync_stats(self)
             model_sync.sync_if_due(
-                distribution, variables, anchors, before + 1, every, self.compression, stats
+                distribution,
+                variables,
+                anchors,
+                before + 1,
+                every,
+                self.compression,
+                stats,
+                self.outer_optimizer,
+                self.combine,
             )
             model_sync.record_lasts(variables, lasts)
 
@@ -388,6 +420,14 @@ class AdasumOptimizer(WrappedOptimizer):
                 lambda: inner.apply(grads, trainable_variables),
                 lambda: context.merge_call(sync_then_record),
             )
+
+    def _outer(self) -> list[keras.optimizers.Optimizer]:
+        return [] if self.outer_optimizer is None else [self.outer_optimizer]
+
+    @property
+    def variables(self) -> list[Any]:
+        """This optimizer's own variables, the inner optimizer's, then the outer optimizer's."""
+        return super().variables + [v for outer in self._outer() for v in outer.variables]
 
     _REPLICA_KEY = "replicas_of_inner_"
 
@@ -421,4 +461,10 @@ class AdasumOptimizer(WrappedOptimizer):
             "sync_every": self.sync_every,
             "root": self.root,
             "compression": self.compression,
+            **(
+                {}
+                if self.outer_optimizer is None
+                else {"outer_optimizer": keras.saving.serialize_keras_object(self.outer_optimizer)}
+            ),
+            **({} if self.combine == "adasum" else {"combine": self.combine}),
         }

@@ -18,6 +18,9 @@ MultiWorkerMirroredStrategy, so loss scaling and tf.nn.compute_average_loss mean
 the logs of Keras's train and test steps, and BatchNorm's statistics after each train step, are
 averaged over every replica of every process. No part of this goes through
 MultiWorkerMirroredStrategy's fit path, which Keras 3 breaks (keras-team/keras#20585).
+
+A tf_keras (Keras 2) model compiled under the scope trains alike: its optimizer's apply_gradients runs
+each replica's own step and the sync (training/keras2_sync.py).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import tensorflow as tf
 
 from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
+from tf_adasum.algorithm.compression import check_compression
 from tf_adasum.common.errors import HookError
 from tf_adasum.common.variables import have_values
-from tf_adasum.training import loss_scaling, model_sync, optimizer_options
+from tf_adasum.training import keras2_sync, loss_scaling, model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import (
     average_logs,
     average_state_over_processes,
@@ -88,11 +92,7 @@ def wrap_under_adasum_strategy(optimizer: Any) -> Any:
     if isinstance(inner, AdasumOptimizer):
         return optimizer
     wrapper = WrappedOptimizer.wrapping(inner)
-    adasum = (
-        wrapper
-        if isinstance(wrapper, AdasumOptimizer)
-        else AdasumOptimizer(inner, sync_every=strategy.sync_every)
-    )
+    adasum = wrapper if isinstance(wrapper, AdasumOptimizer) else strategy.adasum_optimizer(inner)
     if inner is optimizer:
         return adasum
     return keras.optimizers.LossScaleOptimizer(
@@ -181,8 +181,9 @@ def refuse_gradient_mean(optimizer: Any) -> None:
 
 
 def _refuse_keras_2_gradient_sum(optimizer: Any) -> None:
-    """Raises where a tf_keras optimizer would sum its replicas' gradients under an AdasumStrategy (a
-    custom loop's; tf_keras's fit is refused in AdasumStrategy.run)."""
+    """Raises where a tf_keras optimizer would still sum its replicas' gradients under an AdasumStrategy:
+    its steps are routed to each replica's own (keras2_sync), so this is tf_keras's LossScaleOptimizer,
+    or a script's own call of aggregate_gradients."""
     strategy = tf.distribute.get_strategy()
     if isinstance(strategy, AdasumStrategy) and not tf.distribute.in_cross_replica_context():
         _compat.refuse_keras_2("AdasumStrategy", f"optimizer {type(optimizer).__name__}")
@@ -201,6 +202,14 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
             (cross_device_ops: NCCL between GPUs), then Adasum runs over the processes, Horovod's
             hierarchical Adasum (any number of processes and of replicas each); scale the one-device
             learning rate by the replicas per process, as Horovod's guide says for it.
+        outer_optimizer: None, or a Keras optimizer that each sync steps, from the weights of the last
+            sync, on the combined deltas (negated: a pseudo-gradient); local SGD with an outer optimizer,
+            for slow links (docs/training/outer-optimizer.md). Each optimizer the strategy wraps gets
+            its own copy, made under the strategy's scope; its state is saved with the model's.
+        combine: how a sync combines the replicas' deltas: "adasum" (default), or "mean" (their
+            average over every replica of every process, as DiLoCo publishes it, to compare with).
+        compression: "none" (default), or "fp16" or "bf16": float32 and float64 deltas cross processes
+            as float16 or bfloat16 (the kernels accumulate in float32), for optimizers it wraps.
 
     Examples:
         >>> strategy = tf_adasum.AdasumStrategy()
@@ -216,8 +225,14 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         sync_every: int = 1,
         cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
         local_reduction: str = "adasum",
+        outer_optimizer: Any = None,
+        combine: str = "adasum",
+        compression: str = "none",
     ) -> None:
         model_sync.check_sync_every(sync_every)
+        self.compression = check_compression(compression)
+        self.combine = model_sync.check_combine(combine)
+        self.outer_optimizer = model_sync.check_outer_optimizer(outer_optimizer)
         if local_reduction not in ("adasum", "mean"):
             raise ValueError(f'local_reduction must be "adasum" or "mean", got {local_reduction!r}')
         _compat.require_tensorflow_backend("AdasumStrategy")
@@ -268,15 +283,31 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         """This process's replicas' place among all: (the first one's global index, the total)."""
         return sum(self.replica_counts[: self.comm.rank]), sum(self.replica_counts)
 
+    def adasum_optimizer(self, inner: Any) -> AdasumOptimizer:
+        """The AdasumOptimizer this strategy wraps `inner` in: its sync_every, combine, and a fresh copy
+        of its outer optimizer (under its scope, so that the outer state is mirrored)."""
+        with self.scope():
+            outer = None if self.outer_optimizer is None else model_sync.outer_copy(self.outer_optimizer)
+            return AdasumOptimizer(
+                inner,
+                sync_every=self.sync_every,
+                outer_optimizer=outer,
+                combine=self.combine,
+                compression=self.compression,
+            )
+
     def adasum_optimizer_for(self, optimizer: Any) -> WrappedOptimizer:
         """The AdasumOptimizer a plain optimizer steps through in a strategy.run loop, created on its first
         step; it builds itself there, eagerly (AdasumOptimizer._build_at_the_first_step)."""
         wrapper = WrappedOptimizer.wrapping(optimizer)
         if wrapper is None:
             with tf.init_scope():  # in cross-replica context: eagerly, under this strategy
-                wrapper = AdasumOptimizer(optimizer, sync_every=self.sync_every)
-            # tf.train.Checkpoint(optimizer=optimizer) then holds every replica's optimizer state too.
+                wrapper = self.adasum_optimizer(optimizer)
+            # tf.train.Checkpoint(optimizer=optimizer) then holds every replica's optimizer state too,
+            # and the outer optimizer's.
             _compat.track(optimizer, wrapper.replica_state, "tf_adasum_replica_state")
+            if wrapper.outer_optimizer is not None:
+                _compat.track(optimizer, wrapper.outer_optimizer, "tf_adasum_outer")
         return wrapper
 
     def experimental_distribute_dataset(self, dataset: tf.data.Dataset, options: Any = None) -> Any:
@@ -351,8 +382,10 @@ class AdasumStrategy(tf.distribute.MirroredStrategy):
         return None if len(set(counts)) == 1 else [c / sum(counts) for c in counts]
 
     def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
-        if _compat.is_keras_2_function(fn):
-            _compat.refuse_keras_2("AdasumStrategy", "this model's fit, evaluate or predict")
+        # tf_keras: its optimizers' steps run as AdasumOptimizer's do (keras2_sync); a gradient sum
+        # anywhere else is refused.
+        _compat.install_keras_2_step_route(keras2_sync.step_under_adasum_strategy)
+        _compat.install_keras_2_mixing_guard()
         _compat.install_keras_2_gradient_sum_guard(_refuse_keras_2_gradient_sum)
         step = _compat.keras_step(fn)
         running = _compat.keras_function_running()
