@@ -19,7 +19,8 @@ contiguous share of every global batch, so a new group reshards the data by itse
 
 $FAULT injects failures, `group:rank:batch:kind` entries joined by commas, in the group and rank named,
 when that batch (of any epoch, counted from 0 in the epoch) starts:
-    kill     SIGKILL 50 ms into the batch (inside the step), its time in OUT/killed-group{g}-rank{r}.json
+    kill     SIGKILL 50 ms into the batch (inside the step; a late timer is waited for at the next batch's
+             start, never later), its time in OUT/killed-group{g}-rank{r}.json
     stop     SIGSTOP at the batch's start (a hang)
     commit   SIGKILL inside the commit after that batch, after its copy, before the ranks meet
     exit     exit(3) at the batch's start, after printing an error line (a worker's own error)
@@ -125,23 +126,31 @@ def my_faults(kind: str | None = None) -> dict[int, str]:
 # (from 0), not the batch's place in its epoch.
 RELATIVE = os.environ.get("FAULT_BATCHES") == "relative"
 _begun = 0  # batches this process has begun
+_dying = False  # a kill is on its timer: this process begins no other batch
 
 
 def at_batch_start(batch: int, out: Path) -> None:
     global _begun
+    if _dying:
+        # The kill's timer has not fired within the last batch (a loaded machine can hold a thread back
+        # for several steps): wait for it here, so that the process dies before this batch, never later.
+        time.sleep(60)
+        print(f"worker error: rank {tf_adasum.rank()} was not killed within 60 s of its kill fault")
+        sys.stdout.flush()
+        os._exit(4)
     time.sleep(float(os.environ.get("SLOW_BATCH", "0")))
     _begun += 1
     if _begun == 1 and "killfirst" in my_faults().values():
-        threading.Timer(0.05, die, (batch, out)).start()
+        kill_soon(batch, out)
         return
     kind = my_faults().get(_begun - 1 if RELATIVE else batch, "")
     if kind.startswith("leave"):  # the host leaves the discovery's list, and its process dies
         Path(os.environ["SLOTS_FILE"]).write_text(f"127.0.0.1:{kind[5:]}\n")
-        threading.Timer(0.05, die, (batch, out)).start()
+        kill_soon(batch, out)
     elif kind.startswith("slots"):
         Path(os.environ["SLOTS_FILE"]).write_text(f"127.0.0.1:{kind[5:]}\n")
     elif kind == "kill":
-        threading.Timer(0.05, die, (batch, out)).start()
+        kill_soon(batch, out)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "exit":
@@ -150,6 +159,13 @@ def at_batch_start(batch: int, out: Path) -> None:
         os._exit(3)
     elif kind == "grow":
         Path(os.environ["SLOTS_FILE"]).write_text(os.environ.get("GROW_TO", "127.0.0.1:3").replace(",", "\n"))
+
+
+def kill_soon(batch: int, out: Path) -> None:
+    """SIGKILL 50 ms from now, inside this batch's step, or at the next batch's start at the latest."""
+    global _dying
+    _dying = True
+    threading.Timer(0.05, die, (batch, out)).start()
 
 
 def die(batch: int, out: Path) -> None:
