@@ -26,7 +26,9 @@ Modes:
     outer            AdasumStrategy(sync_every, outer_optimizer, combine, compression) for OUTER_CASES, one
                      replica per process: OUT/outer_{case}{r}.npz (the weights, then the outer
                      optimizer's variables); then Horovod's recipe with DistributedOptimizer(op=Adasum,
-                     outer_optimizer=...): OUT/outer_horovod{r}.npz
+                     outer_optimizer=...): OUT/outer_horovod{r}.npz; then the mean of an odd count
+                     of replicas past 256 (129 on rank 0, 128 on the others), per compression:
+                     OUT/outer_mean_counts{r}.json
     threads          many short compiled all-reduces, then many short fits under AdasumStrategy: the
                      threads the process holds after each, OUT/threads{r}.json
 
@@ -440,6 +442,18 @@ def outer(out: Path) -> None:
     model.fit(x[mine], y[mine], batch_size=2, shuffle=False, verbose=0)
     state = [v.numpy() for v in model.optimizer.outer_optimizer.variables]
     np.savez(out / f"outer_horovod{comm.rank}.npz", *model.get_weights(), *state)
+    # combine="mean" over an odd count of replicas past 256, which bfloat16 cannot hold: rank 0 holds 129
+    # replicas, every other rank 128, and each rank's deltas sum to 1 (one replica's delta is 1, the
+    # others' 0), so the mean is size / (129 + 128 * (size - 1)), whatever the wire narrows.
+    from tf_adasum.training.model_sync import mean_over_every_replica
+
+    count = 129 if comm.rank == 0 else 128
+    per_replica = [[tf.fill([4], 1.0 if j == 0 else 0.0)] for j in range(count)]
+    means = {
+        c: mean_over_every_replica(per_replica, ["w"], c)[0].numpy().tolist()
+        for c in ("none", "bf16", "fp16")
+    }
+    (out / f"outer_mean_counts{comm.rank}.json").write_text(json.dumps(means))
 
 
 def batchnorm(out: Path) -> None:

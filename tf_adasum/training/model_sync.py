@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_adasum import _compat, distributed
 from tf_adasum.algorithm import agreement
+from tf_adasum.algorithm.compression import narrowed, widened
 from tf_adasum.common.errors import NonFiniteUpdateError
 from tf_adasum.common.variables import replica_values, tf_variable, variable_name
 from tf_adasum.ops import squared_norms
@@ -227,10 +228,13 @@ def mean_over_every_replica(
         [[float(len(per_replica))], tf.reduce_sum(tf.cast(~tf.math.is_finite(norms), tf.float32), 0)], 0
     )
     if distributed.init().size > 1:
-        *sums, counts = distributed.allreduce_compressed(
-            [*sums, counts], distributed.Sum, compression, [*names, "the counts of replicas"]
+        # Only the sums narrow on the wire: a count in bfloat16 is exact only up to 256 (float16 to
+        # 2048), and a rounded count would scale every weight's mean wrongly without a word.
+        wire = sums if compression == "none" else narrowed(sums, compression)
+        *reduced, counts = distributed.allreduce(
+            [*wire, counts], op=distributed.Sum, names=[*names, "the counts of replicas"]
         )
-    counts = tf.cast(counts, tf.float32)
+        sums = widened(reduced, sums)
 
     def raise_naming(bad: np.ndarray) -> np.ndarray:
         where = [f"{names[i]} ({int(n)} replica(s))" for i, n in enumerate(bad) if n > 0]
