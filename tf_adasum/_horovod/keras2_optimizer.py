@@ -31,6 +31,7 @@ from tf_adasum import _compat, distributed
 from tf_adasum._horovod.mpi_ops import grouped_allreduce
 from tf_adasum.distributed import Adasum, Average, Sum
 from tf_adasum.training import keras2_sync, model_sync
+from tf_adasum.training.allreduce_optimizer import accumulate_then_step
 
 
 def _step_then_adasum(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
@@ -90,27 +91,14 @@ def _accumulate_then_step(self: Any, pairs: list[Any], args: Any, kwargs: Any) -
             windows[key] = [
                 tf.Variable(tf.zeros_like(v), trainable=False, name="accumulated_gradient") for v in variables
             ]
-    accumulators = windows[key]
-    for accumulator, (g, _) in zip(accumulators, pairs, strict=True):
-        if g is not None:
-            accumulator.assign_add(tf.cast(tf.convert_to_tensor(g), accumulator.dtype))
-    passes = self._tf_adasum_every
+    grads = [g for g, _ in pairs]
 
-    def reduce_and_step() -> tf.Tensor:
-        summed = [
-            (None if g is None else tf.identity(a) / passes if self._tf_adasum_average else tf.identity(a), v)
-            for a, (g, v) in zip(accumulators, pairs, strict=True)
-        ]
-        _reduce_then_step(self, summed, args, kwargs)
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator))
-        return tf.constant(True)
+    def step(summed: list[Any]) -> None:
+        _reduce_then_step(self, list(zip(summed, variables, strict=True)), args, kwargs)
 
-    def count_the_pass() -> tf.Tensor:
-        iterations.assign_add(1)
-        return tf.constant(False)
-
-    tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_step, count_the_pass)
+    accumulate_then_step(
+        windows[key], grads, iterations, self._tf_adasum_every, self._tf_adasum_average, step
+    )
     return iterations
 
 

@@ -144,29 +144,14 @@ class AllreduceOptimizer(WrappedOptimizer):
             if trainable_variables is not None
             else _compat.trainable_variables_of(self)
         )
-        accumulators = [self._accumulated[_compat.variable_index(self, v)] for v in variables]
-        for accumulator, g in zip(accumulators, grads, strict=True):
-            if g is not None:
-                accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
-        iterations = self.inner_optimizer.iterations
-        passes = self.backward_passes_per_step
-
-        def reduce_and_apply() -> tf.Tensor:
-            summed = [
-                None if g is None else tf.identity(a) / passes if self.average_aggregated_gradients else
-                tf.identity(a)
-                for a, g in zip(accumulators, grads, strict=True)
-            ]  # fmt: skip
-            self._reduce_then_apply(summed, variables)
-            for accumulator in accumulators:
-                accumulator.assign(tf.zeros_like(accumulator))
-            return tf.constant(True)
-
-        def count_the_pass() -> tf.Tensor:
-            iterations.assign_add(1)
-            return tf.constant(False)
-
-        tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_apply, count_the_pass)
+        accumulate_then_step(
+            [self._accumulated[_compat.variable_index(self, v)] for v in variables],
+            grads,
+            self.inner_optimizer.iterations,
+            self.backward_passes_per_step,
+            self.average_aggregated_gradients,
+            lambda summed: self._reduce_then_apply(summed, variables),
+        )
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -178,3 +163,38 @@ class AllreduceOptimizer(WrappedOptimizer):
             "scale_local_gradients": self.scale_local_gradients,
             "groups": self.groups if isinstance(self.groups, int) else None,
         }
+
+
+def accumulate_then_step(
+    accumulators: list[Any],
+    gradients: list[Any],
+    iterations: Any,
+    passes: int,
+    average: bool,
+    step: Any,
+) -> None:
+    """Horovod's gradient accumulation (its LocalGradientAggregationHelper), under Keras 3 and tf_keras:
+    each gradient added to its accumulator on this process; at every `passes`-th pass, counted by
+    `iterations`, step(sums) (divided by `passes` when `average`; None where a gradient is None) and
+    the accumulators cleared; on the other passes only `iterations` moves, so that Adam's bias
+    correction counts passes. `step` moves `iterations` itself, as an optimizer's step does."""
+    for accumulator, g in zip(accumulators, gradients, strict=True):
+        if g is not None:
+            accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
+
+    def reduce_and_step() -> tf.Tensor:
+        step(
+            [
+                None if g is None else tf.identity(a) / passes if average else tf.identity(a)
+                for a, g in zip(accumulators, gradients, strict=True)
+            ]
+        )
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+        return tf.constant(True)
+
+    def count_the_pass() -> tf.Tensor:
+        iterations.assign_add(1)
+        return tf.constant(False)
+
+    tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_step, count_the_pass)
