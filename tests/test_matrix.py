@@ -90,6 +90,11 @@ def _run(command: list[str], timeout: int, **kwargs: object) -> subprocess.Compl
     return result
 
 
+def _two_processes(python: str, worker: str, out: Path, modes: str) -> list[str]:
+    """`python -m tf_adasum.run -np 2 -m WORKER OUT MODES`, as the release's user runs it."""
+    return _without_compilers([python, "-m", "tf_adasum.run", "-np", "2", "-m", worker, str(out), modes])
+
+
 def _without_compilers(command: list[str]) -> list[str]:
     """`command` in a new mount namespace where every compiler's programs are hidden."""
     hide = " ".join(f"mount -t tmpfs none {p};" for p in COMPILER_PARTS if os.path.isdir(p))
@@ -216,18 +221,9 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         TF_ADASUM_TIMEOUT_SECONDS="60",
     )
-    job = [
-        python,
-        "-m",
-        "tf_adasum.run",
-        "-np",
-        "2",
-        "-m",
-        "tests.workers.matrix",
-        str(out),
-        "allreduce",
-    ]
-    launched = _run(_without_compilers(job), 600, cwd=tmp_path, env=mpi_env)
+    launched = _run(
+        _two_processes(python, "tests.workers.matrix", out, "allreduce"), 600, cwd=tmp_path, env=mpi_env
+    )
     assert launched.stdout.count("Adasum all-reduce equals the oracle") == 2, launched.stdout
     assert (out / "rank0.bin").read_bytes() == (out / "rank1.bin").read_bytes(), (
         "both ranks hold the same bits"
@@ -237,17 +233,7 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
     # DistributedOptimizer(op=Adasum) with its callbacks, AdasumCallback every 2 steps, AdasumStrategy.
     out = tmp_path / "keras2"
     out.mkdir()
-    job = [
-        python,
-        "-m",
-        "tf_adasum.run",
-        "-np",
-        "2",
-        "-m",
-        "tests.workers.keras2",
-        str(out),
-        ",".join(KERAS_2),
-    ]
-    _run(_without_compilers(job), 600, cwd=tmp_path, env=dict(mpi_env, TF_USE_LEGACY_KERAS="1"))
+    job = _two_processes(python, "tests.workers.keras2", out, ",".join(KERAS_2))
+    _run(job, 600, cwd=tmp_path, env=dict(mpi_env, TF_USE_LEGACY_KERAS="1"))
     for mode in KERAS_2:
         check_mode(out, mode)
