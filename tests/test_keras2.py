@@ -249,6 +249,23 @@ def test_adasum_callback_refuses_what_tf_keras_cannot_sync_exactly(name: str) ->
     _unchanged(model, before)
 
 
+def test_adasum_callback_refuses_an_outer_optimizer_mean_and_compression_for_a_tf_keras_model() -> None:
+    x, y = _data()
+    model = _model()
+    model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    before = model.get_weights()
+    callback = tf_adasum.AdasumCallback(
+        2, outer_optimizer=keras.optimizers.SGD(0.5), combine="mean", compression="bf16"
+    )
+    message = (
+        r"on a tf_keras \(Keras 2\) model takes no outer_optimizer, combine='mean', "
+        r"compression='bf16': build the model with Keras 3"
+    )
+    with pytest.raises(ValueError, match=message):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    _unchanged(model, before)
+
+
 def test_adasum_callback_compiles_a_tf_keras_step_without_xla() -> None:
     x, y = _data()
     model = _model()

@@ -209,6 +209,94 @@ def test_a_replica_whose_delta_is_not_finite_stops_the_mean_naming_the_variable(
     assert int(model.optimizer.outer_optimizer.iterations.numpy()) == 0
 
 
+# AdasumCallback(outer_optimizer=...) in one process, where the sync of one delta is that delta (across
+# processes: test_across_processes_the_outer_state_is_one_and_the_step_equals_numpy).
+
+
+def plain_model(make_optimizer: Any) -> keras.Model:
+    _, _, w, b = problem()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.set_weights([w, b])
+    model.compile(optimizer=make_optimizer(), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize(("outer", "sync_every"), [("nesterov", 4), ("adam", 1), ("sgd", 2)])
+def test_the_callback_steps_the_outer_optimizer_as_numpy(outer: str, sync_every: int) -> None:
+    x, y, _, _ = problem()
+    model = plain_model(lambda: make_inner("sgd_momentum"))
+    callback = tf_adasum.AdasumCallback(sync_every, outer_optimizer=Outer(*OUTERS[outer]).keras())
+    model.fit(x[: 2 * STEPS], y[: 2 * STEPS], batch_size=2, shuffle=False, verbose=0, callbacks=[callback])
+    want = simulate("sgd_momentum", 1, sync_every, STEPS, 2, outer=Outer(*OUTERS[outer]))
+    for got, w in zip(model.get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+    plain = simulate("sgd_momentum", 1, sync_every, STEPS, 2)
+    assert not np.allclose(want[0], plain[0], atol=1e-3)  # the outer step shows in the result
+    # The outer optimizer stepped once a sync, and lives on the model's optimizer, where saving finds it.
+    assert model.optimizer.tf_adasum_outer_optimizer is callback.outer_optimizer
+    assert int(callback.outer_optimizer.iterations.numpy()) == STEPS // sync_every
+
+
+def test_the_callbacks_outer_state_is_saved_with_the_model_and_resumes_exactly(tmp_path: Path) -> None:
+    """8 steps of windows of 4, save_weights, a new model and callback: set_model, load_weights, 8 more
+    steps: bitwise the 16 steps at once. Loaded before the callback meets the model (the model's own
+    optimizer built, as Keras asks), the outer momentum is lost and the run ends elsewhere (so this test
+    can fail). A model without tf_adasum loads the file."""
+    x, y, _, _ = problem()
+
+    def callback() -> tf_adasum.AdasumCallback:
+        return tf_adasum.AdasumCallback(4, outer_optimizer=Outer(*OUTERS["momentum"]).keras())
+
+    def fit(model: keras.Model, rows: slice, cb: tf_adasum.AdasumCallback) -> None:
+        model.fit(x[rows], y[rows], batch_size=2, shuffle=False, verbose=0, callbacks=[cb])
+
+    whole = plain_model(lambda: make_inner("adam"))
+    fit(whole, slice(0, 32), callback())
+    first = plain_model(lambda: make_inner("adam"))
+    fit(first, slice(0, 16), callback())
+    first.save_weights(tmp_path / "run.weights.h5")
+    results = []
+    for attach_first in (True, False):
+        again, cb = plain_model(lambda: make_inner("adam")), callback()
+        if attach_first:
+            cb.set_model(again)
+        else:  # as Keras asks of a resume: the model's optimizer built, so only the outer state is lost
+            again.optimizer.build(again.trainable_variables)
+        again.load_weights(tmp_path / "run.weights.h5")
+        assert int(cb.outer_optimizer.iterations.numpy()) == (2 if attach_first else 0)
+        fit(again, slice(16, 32), cb)
+        results.append(again.get_weights())
+    for a, b in zip(results[0], whole.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(results[1][0], whole.get_weights()[0], atol=1e-5)
+    plain = plain_model(lambda: make_inner("adam"))
+    plain.load_weights(tmp_path / "run.weights.h5")
+    for a, b in zip(plain.get_weights(), first.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_callback_refuses_an_outer_optimizer_it_cannot_serve() -> None:
+    x, y, _, _ = problem()
+    model = plain_model(lambda: make_inner("adam"))
+    with pytest.raises(ValueError, match="outer_optimizer is the model's optimizer"):
+        model.fit(
+            x[:4], y[:4], verbose=0, callbacks=[tf_adasum.AdasumCallback(outer_optimizer=model.optimizer)]
+        )
+    with pytest.raises(ValueError, match=r"combine must be one of \('adasum', 'mean'\), got 'sum'"):
+        tf_adasum.AdasumCallback(combine="sum")
+    with pytest.raises(TypeError, match=r"outer_optimizer is a plain Keras optimizer"):
+        tf_adasum.AdasumCallback(outer_optimizer=3)
+    # An elastic state cannot commit it (it is attached only as fit starts): said, not lost.
+    from tf_adasum import elastic
+
+    callback = tf_adasum.AdasumCallback(2, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
+    model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[callback])
+    with pytest.raises(
+        ValueError, match=r"cannot commit AdasumCallback's outer optimizer: use .*AdasumStrategy"
+    ):
+        elastic.KerasState(model, epoch=0)
+
+
 def test_bad_outer_optimizers_and_combines_are_refused() -> None:
     with pytest.raises(ValueError, match=r"combine must be one of \('adasum', 'mean'\), got 'sum'"):
         tf_adasum.AdasumStrategy(devices=cpus(2), combine="sum")
@@ -270,6 +358,16 @@ def test_across_processes_the_outer_state_is_one_and_the_step_equals_numpy(
             np.testing.assert_array_equal(mine, first)
     for got, w in zip(ranks[0][:2], want, strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+    # AdasumCallback(sync_every=4, outer_optimizer=...), Adasum and the mean: each process its own rows.
+    for combine in ("adasum", "mean"):
+        ranks = [list(np.load(tmp_path / f"outer_callback_{combine}{r}.npz").values()) for r in range(p)]
+        want = simulate("sgd_momentum", p, 4, STEPS, 2 * p, outer=Outer(*OUTERS["nesterov"]), combine=combine)
+        for r in range(p):
+            assert len(ranks[r]) > 2  # the weights, then the outer state
+            for mine, first in zip(ranks[r], ranks[0], strict=True):
+                np.testing.assert_array_equal(mine, first)
+        for got, w in zip(ranks[0][:2], want, strict=True):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=combine)
     # The mean divides by the count of replicas itself, whatever the wire: bfloat16 would round
     # 129 + 128 * (p - 1) (257 or 385) by 1 and miss by 0.4% or 0.3%.
     replicas = 129 + 128 * (p - 1)

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tf_adasum import _compat, distributed
+from tf_adasum.algorithm.compression import check_compression
 from tf_adasum.callbacks.batches import CountsBatches, retrace_with, retrace_without
 from tf_adasum.common.variables import tf_variable
 from tf_adasum.training import keras2_sync, model_sync, optimizer_options
@@ -44,7 +45,18 @@ class AdasumCallback(CountsBatches):
     a tf_adasum.AdasumOptimizer: a plain one is refused at the first step.
 
     A tf_keras (Keras 2) model is served alike: its optimizer's apply_gradients carries the sync during
-    fit. There a LossScaleOptimizer and use_ema are refused (training/keras2_sync.py says why).
+    fit. There a LossScaleOptimizer and use_ema are refused (training/keras2_sync.py says why), and so are
+    an outer optimizer, combine="mean" and compression.
+
+    With an `outer_optimizer`, each sync puts the weights back where the window began and the outer
+    optimizer steps them on the combined deltas, negated (local SGD with an outer optimizer:
+    docs/training/outer-optimizer.md). Its state is one copy, the same on every process, since every
+    process steps it on the same values. It lives on the model's optimizer, as its attribute
+    `tf_adasum_outer_optimizer`, from the moment the callback meets the model (`set_model`, which `fit`
+    calls before any callback's on_train_begin): checkpoints written during fit (BackupAndRestore,
+    ModelCheckpoint, `model.save`) hold it, BackupAndRestore brings it back, and to load it yourself
+    before fit call `callback.set_model(model)` first, then `model.load_weights(path)`. A model loaded
+    without tf_adasum ignores it.
 
     Under the TF engine (tf_adasum.run, horovodrun's Gloo mode, TF_CONFIG), TensorFlow's collective
     runtime must start before the first op: `import tf_adasum` does that for processes started by
@@ -53,6 +65,12 @@ class AdasumCallback(CountsBatches):
     Args:
         sync_every: optimizer steps between two Adasum combinations.
         root: the rank whose weights and optimizer state every process starts from.
+        outer_optimizer: None (each sync adds the combined deltas to the weights), or a Keras optimizer
+            (or its name) that each sync steps from the window's first weights on the pseudo-gradient
+            `-combined`.
+        combine: how a sync combines the processes' deltas: "adasum" (the contract tree), or "mean"
+            (their average: DiLoCo as published, to compare with).
+        compression: "none", or "fp16" ("bf16") to send float32/float64 deltas as float16 (bfloat16).
 
     Raises:
         ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
@@ -69,7 +87,14 @@ class AdasumCallback(CountsBatches):
 
     serves_keras_2 = True  # a tf_keras model's apply_gradients carries the sync (training/keras2_sync.py)
 
-    def __init__(self, sync_every: int = 1, root: int = 0) -> None:
+    def __init__(
+        self,
+        sync_every: int = 1,
+        root: int = 0,
+        outer_optimizer: Any = None,
+        combine: str = "adasum",
+        compression: str = "none",
+    ) -> None:
         super().__init__()
         model_sync.check_sync_every(sync_every)
         # Mixed precision's skip decision must be global, and errors inside steps translated.
@@ -78,7 +103,36 @@ class AdasumCallback(CountsBatches):
             raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
         self.sync_every = sync_every
         self.root = root
+        self.outer_optimizer = model_sync.check_outer_optimizer(outer_optimizer)
+        self.combine = model_sync.check_combine(combine)
+        self.compression = check_compression(compression)
         self._optimizer: keras.optimizers.Optimizer | None = None
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        self._attach_outer_optimizer()
+
+    def _attach_outer_optimizer(self) -> None:
+        """Builds the outer optimizer on the model's trainable variables (eagerly: Keras cannot build a
+        stateful optimizer inside the train function) and hangs it on the model's optimizer, where
+        checkpoints find it. Nothing before the model and its optimizer exist (fit builds both first)."""
+        outer, model = self.outer_optimizer, self.model
+        optimizer = getattr(model, "optimizer", None)
+        if outer is None or optimizer is None or not model.weights or _compat.keras_2_name(model) is not None:
+            return
+        stepping = _compat.loss_scale_inner(optimizer)
+        if outer is stepping:
+            raise ValueError(
+                f"outer_optimizer is the model's optimizer {stepping.name!r}: the outer step needs an "
+                "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
+                "nesterov=True), ...)"
+            )
+        with tf.init_scope():
+            # The model's optimizer too, as fit does before it calls set_model: Keras loads no state into
+            # an optimizer that has none yet (a load_weights after set_model, before fit).
+            _compat.build_optimizer(optimizer, list(model.trainable_variables))
+            _compat.build_optimizer(outer, list(model.trainable_variables))
+        model_sync.attach_outer(stepping, outer)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)
@@ -93,6 +147,17 @@ class AdasumCallback(CountsBatches):
         if keras_2:
             keras2_sync.end_sync(stepping)  # left by a fit that raised before on_train_end
             keras2_sync.check_keras_2_optimizer(model, stepping)
+            asked = {
+                "outer_optimizer": self.outer_optimizer is not None,
+                "combine='mean'": self.combine != "adasum",
+                f"compression={self.compression!r}": self.compression != "none",
+            }
+            if any(asked.values()):
+                raise ValueError(
+                    f"AdasumCallback on a tf_keras (Keras 2) model takes no "
+                    f"{', '.join(k for k, v in asked.items() if v)}: build the model with Keras 3 (keras.*) "
+                    "for them, or leave them out"
+                )
         elif model_sync.extended_by_callback(stepping):
             del stepping.apply  # left by a fit that raised before on_train_end could restore it
         if model_sync.syncs(stepping) or hasattr(stepping, "_tf_adasum_op"):
@@ -113,6 +178,7 @@ class AdasumCallback(CountsBatches):
         if not keras_2:
             optimizer_options.check(stepping, self.sync_every)
         _compat.build_optimizer(optimizer, variables)
+        self._attach_outer_optimizer()  # a model fit built only now
         # The window's anchors (model_sync.start_window) and, with windows of several steps, the weights as
         # the last step left them, outside the optimizer so that it saves as the user's own. Each fit starts
         # a window at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
@@ -137,6 +203,7 @@ class AdasumCallback(CountsBatches):
         # since the sync is a collective.
         anchors, local_step = self._anchors, stepping.apply
         distribution = tf.distribute.get_strategy()
+        outer, combine, compression = self.outer_optimizer, self.combine, self.compression
 
         def apply_then_sync(grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
             before = optimizer_options.steps_so_far(stepping)
@@ -144,7 +211,9 @@ class AdasumCallback(CountsBatches):
 
             def sync() -> None:
                 stats = model_sync.sync_stats(stepping)  # an OrthogonalityMonitor's, if one asked
-                model_sync.sync_if_due(distribution, variables, anchors, before + 1, every, stats=stats)
+                model_sync.sync_if_due(
+                    distribution, variables, anchors, before + 1, every, compression, stats, outer, combine
+                )
                 model_sync.record_lasts(variables, lasts)
 
             optimizer_options.step_then_sync(stepping, lambda: local_step(grads, trainable_variables), sync)
