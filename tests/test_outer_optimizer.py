@@ -275,6 +275,29 @@ def test_the_callbacks_outer_state_is_saved_with_the_model_and_resumes_exactly(t
         np.testing.assert_array_equal(a, b)
 
 
+def test_backup_and_restore_brings_the_callbacks_outer_state_back(tmp_path: Path) -> None:
+    """Keras's BackupAndRestore, listed before the callback: an epoch, a new process's model and callback,
+    fit to 2 epochs from the backup: bitwise 2 epochs at once, the outer optimizer's 4 steps counted."""
+    x, y, _, _ = problem()
+
+    def fit(epochs: int, backup: bool) -> tuple[keras.Model, tf_adasum.AdasumCallback]:
+        model = plain_model(lambda: make_inner("adam"))
+        callback = tf_adasum.AdasumCallback(4, outer_optimizer=Outer(*OUTERS["momentum"]).keras())
+        backups = [keras.callbacks.BackupAndRestore(tmp_path / "backup", delete_checkpoint=False)]
+        model.fit(
+            x[:16], y[:16], batch_size=2, epochs=epochs, shuffle=False, verbose=0,
+            callbacks=[*backups, callback] if backup else [callback],
+        )  # fmt: skip
+        return model, callback
+
+    whole, _ = fit(2, backup=False)
+    fit(1, backup=True)
+    resumed, callback = fit(2, backup=True)
+    assert int(callback.outer_optimizer.iterations.numpy()) == 4
+    for a, b in zip(resumed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_callback_refuses_an_outer_optimizer_it_cannot_serve() -> None:
     x, y, _, _ = problem()
     model = plain_model(lambda: make_inner("adam"))
