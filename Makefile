@@ -69,7 +69,7 @@ TEST_WORKERS ?= 2
 test: build lint horovod cross-tools docs
 	status=0; \
 	TF_ADASUM_MATRIX="$(CI_MATRIX)" \
-		$(PY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadgroup --durations=25 || status=$$?; \
+		$(PY) -m pytest -q -m "not alone" -n $(TEST_WORKERS) --dist loadgroup --durations=0 --durations-min=15 || status=$$?; \
 	$(PY) -m pytest -q tests/test_iterator_release.py || status=$$?; \
 	$(PY) -m pytest -q -m alone --ignore=tests/test_iterator_release.py --durations=10 || status=$$?; \
 	exit $$status
