@@ -26,8 +26,10 @@ Modes:
     outer            AdasumStrategy(sync_every, outer_optimizer, combine, compression) for OUTER_CASES, one
                      replica per process: OUT/outer_{case}{r}.npz (the weights, then the outer
                      optimizer's variables); then Horovod's recipe with DistributedOptimizer(op=Adasum,
-                     outer_optimizer=...): OUT/outer_horovod{r}.npz; AdasumCallback(outer_optimizer=...,
-                     combine=adasum|mean): OUT/outer_callback_{combine}{r}.npz; then the mean of an odd count
+                     outer_optimizer=...): OUT/outer_horovod{r}.npz; AdasumCallback(outer_optimizer=...)
+                     for CALLBACK_OUTER_CASES: OUT/outer_callback_{combine}_{compression}{r}.npz, and a
+                     resume of the last where rank 0 alone loads: OUT/outer_callback_resumed{r}.npz;
+                     then the mean of an odd count
                      of replicas past 256 (129 on rank 0, 128 on the others), per compression:
                      OUT/outer_mean_counts{r}.json
     threads          many short compiled all-reduces, then many short fits under AdasumStrategy: the
@@ -400,6 +402,10 @@ OUTER_CASES = [
 ]
 
 
+# AdasumCallback(outer_optimizer=...)'s cases in the `outer` mode: (combine, compression).
+CALLBACK_OUTER_CASES = [("adasum", "none"), ("mean", "none"), ("adasum", "bf16")]
+
+
 def outer(out: Path) -> None:
     from tests.support.training import OUTERS, Outer, build_linear, make_inner, problem
 
@@ -443,17 +449,30 @@ def outer(out: Path) -> None:
     model.fit(x[mine], y[mine], batch_size=2, shuffle=False, verbose=0)
     state = [v.numpy() for v in model.optimizer.outer_optimizer.variables]
     np.savez(out / f"outer_horovod{comm.rank}.npz", *model.get_weights(), *state)
-    # A plain fit with AdasumCallback(outer_optimizer=...), each process its own rows, as above.
-    for combine in ("adasum", "mean"):
+    # A plain fit with AdasumCallback(sync_every=4, outer_optimizer=Nesterov), each process its own rows,
+    # as above; then a resume where rank 0 alone loads the weights and outer state (Horovod's): the
+    # others take root's outer state at the first batch.
+    for combine, compression in CALLBACK_OUTER_CASES:
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.set_weights([w + comm.rank for w in problem()[2:]])  # the first batch takes rank 0's
         model.compile(optimizer=make_inner("sgd_momentum"), loss="mse")
         callback = tf_adasum.AdasumCallback(
-            sync_every, outer_optimizer=Outer(*OUTERS[kind]).keras(), combine=combine
+            4, outer_optimizer=Outer(*OUTERS["nesterov"]).keras(), combine=combine, compression=compression
         )
         model.fit(x[mine], y[mine], batch_size=2, shuffle=False, verbose=0, callbacks=[callback])
         state = [v.numpy() for v in callback.outer_optimizer.variables]
-        np.savez(out / f"outer_callback_{combine}{comm.rank}.npz", *model.get_weights(), *state)
+        np.savez(out / f"outer_callback_{combine}_{compression}{comm.rank}.npz", *model.get_weights(), *state)
+    if comm.rank == 0:
+        model.save_weights(out / "outer_callback.weights.h5")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=make_inner("sgd_momentum"), loss="mse")
+    callback = tf_adasum.AdasumCallback(4, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
+    if comm.rank == 0:
+        callback.set_model(model)
+        model.load_weights(out / "outer_callback.weights.h5")
+    model.fit(x[mine], y[mine], batch_size=2, shuffle=False, verbose=0, callbacks=[callback])
+    state = [v.numpy() for v in callback.outer_optimizer.variables]
+    np.savez(out / f"outer_callback_resumed{comm.rank}.npz", *model.get_weights(), *state)
     # combine="mean" over an odd count of replicas past 256, which bfloat16 cannot hold: rank 0 holds 129
     # replicas, every other rank 128, and each rank's deltas sum to 1 (one replica's delta is 1, the
     # others' 0), so the mean is size / (129 + 128 * (size - 1)), whatever the wire narrows.

@@ -62,7 +62,10 @@ from tf_adasum._compat.layers import BatchNormalizationMoments
 from tf_adasum._compat.losses import install_loss_scaling
 from tf_adasum._compat.numpy_views import numpy_views_share_memory, writable_view
 from tf_adasum._compat.optimizers import (
+    OUTER_ATTRIBUTE,
     applies,
+    attach_outer,
+    attached_outer,
     disable_gradient_sum,
     install_global_loss_scale_finiteness,
     install_gradient_sum_guard,
@@ -101,12 +104,15 @@ from tf_adasum._compat.trainer import (
 
 __all__ = [
     "HOOKS",
+    "OUTER_ATTRIBUTE",
     "TESTED_KERAS",
     "TESTED_TENSORFLOW",
     "BatchNormalizationMoments",
     "Keras2CallbackProtocol",
     "abort_collectives",
     "applies",
+    "attach_outer",
+    "attached_outer",
     "build_optimizer",
     "checkpoints_only",
     "coordination_service_on",

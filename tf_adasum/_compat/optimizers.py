@@ -294,6 +294,28 @@ def track(parent: Any, child: Any, name: str) -> None:
     parent._track_trackable(child, name=name, overwrite=True)
 
 
+# The attribute of a plain optimizer that AdasumCallback steps with an outer optimizer: Keras's saving
+# walks an optimizer's attributes (and tf.train.Checkpoint its tracked children), so checkpoints hold the
+# outer state there without a change to the optimizer's own variables.
+OUTER_ATTRIBUTE = "tf_adasum_outer_optimizer"
+
+
+def attach_outer(optimizer: Any, outer: Any) -> None:
+    """Hangs `outer` on `optimizer` (OUTER_ATTRIBUTE), replacing any outer optimizer there; None takes
+    it off."""
+    if outer is None:
+        if attached_outer(optimizer) is not None:
+            delattr(optimizer, OUTER_ATTRIBUTE)  # TensorFlow's AutoTrackable drops the tracking with it
+        return
+    setattr(optimizer, OUTER_ATTRIBUTE, outer)
+    track(optimizer, outer, OUTER_ATTRIBUTE)
+
+
+def attached_outer(optimizer: Any) -> Any:
+    """The outer optimizer AdasumCallback hung on `optimizer`, or None."""
+    return getattr(optimizer, OUTER_ATTRIBUTE, None)
+
+
 # --- _iterations -------------------------------------------------------------------------------------
 
 

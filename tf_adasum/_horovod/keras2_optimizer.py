@@ -77,11 +77,8 @@ def _reduce_then_step(self: Any, pairs: list[Any], args: Any, kwargs: Any) -> An
 
 
 def _accumulate_then_step(self: Any, pairs: list[Any], args: Any, kwargs: Any) -> Any:
-    """Horovod's gradient accumulation (its LocalGradientAggregationHelper), as AllreduceOptimizer does
-    it under Keras 3: the passes' gradients summed on this process, and at every
-    backward_passes_per_step-th pass all-reduced once (divided by the count with
-    average_aggregated_gradients), stepped on and cleared; on the other passes only the iteration count
-    moves, so that Adam's bias correction counts passes."""
+    """Horovod's gradient accumulation under tf_keras (accumulate_then_step), into accumulators this
+    optimizer keeps per list of variables."""
     variables = [v for _, v in pairs]
     key = ("accumulated", *(id(v) for v in variables))
     windows = self.__dict__.setdefault("_tf_adasum_windows", {})

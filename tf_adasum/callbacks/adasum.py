@@ -15,6 +15,7 @@ from tf_adasum.training import keras2_sync, model_sync, optimizer_options
 from tf_adasum.training.keras_consensus import (
     agree_at_epoch_end,
     broadcast_model_and_optimizer,
+    broadcast_variables,
     check_equal_steps,
 )
 
@@ -38,7 +39,8 @@ class AdasumCallback(CountsBatches):
 
     The model keeps the optimizer you compiled it with: during `fit` its `apply` is extended with the
     sync, and after `fit` it is the plain optimizer again, so the model saves and loads without
-    tf_adasum (a checkpoint written during `fit` holds it too). Its options keep their one-worker
+    tf_adasum (a checkpoint written during `fit` holds it too; an outer optimizer rides on it as an
+    attribute, below). Its options keep their one-worker
     meaning (docs/training/optimizer-options.md): with use_ema the moving average follows the synced
     weights; with gradient_accumulation_steps each process accumulates its own gradients and the sync
     comes with every `sync_every`-th update. A second optimizer stepping in a custom train step must be
@@ -51,11 +53,13 @@ class AdasumCallback(CountsBatches):
     With an `outer_optimizer`, each sync puts the weights back where the window began and the outer
     optimizer steps them on the combined deltas, negated (local SGD with an outer optimizer:
     docs/training/outer-optimizer.md). Its state is one copy, the same on every process, since every
-    process steps it on the same values. It lives on the model's optimizer, as its attribute
-    `tf_adasum_outer_optimizer`, from the moment the callback meets the model (`set_model`, which `fit`
-    calls before any callback's on_train_begin): checkpoints written during fit (BackupAndRestore,
-    ModelCheckpoint, `model.save`) hold it, BackupAndRestore brings it back, and to load it yourself
-    before fit call `callback.set_model(model)` first, then `model.load_weights(path)`. A model loaded
+    process steps it on the same values, and root's is broadcast before the first batch. It lives on the
+    model's optimizer, as its attribute `tf_adasum_outer_optimizer`, from the moment the callback meets
+    the model (`set_model`, which `fit` calls before any callback's on_train_begin) until a callback
+    without one trains the model: weights files and `.keras` files written during or after fit
+    (BackupAndRestore, ModelCheckpoint, `save_weights`, `model.save`) hold it, BackupAndRestore brings
+    it back, and to load it yourself call `callback.set_model(model)` first, then
+    `model.load_weights(path)`. `keras.models.load_model` makes a new optimizer without it, and a model
     without tf_adasum ignores it.
 
     Under the TF engine (tf_adasum.run, horovodrun's Gloo mode, TF_CONFIG), TensorFlow's collective
@@ -73,10 +77,12 @@ class AdasumCallback(CountsBatches):
         compression: "none", or "fp16" ("bf16") to send float32/float64 deltas as float16 (bfloat16).
 
     Raises:
+        TypeError: an outer_optimizer that is not a plain Keras 3 optimizer.
         ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
             AdasumStrategy), an optimizer that already combines across processes, use_ema with
-            sync_every > 1, or a second plain optimizer in the train step; under tf_keras, mixed
-            precision or use_ema.
+            sync_every > 1, a second plain optimizer in the train step, the model's own optimizer or
+            one built on other variables as the outer optimizer; under tf_keras, mixed precision,
+            use_ema, an outer optimizer, combine="mean" or compression.
         UnevenDataError: the processes would run different numbers of batches.
         NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
         PeerError: a process died or stopped answering.
@@ -110,62 +116,79 @@ class AdasumCallback(CountsBatches):
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
-        self._attach_outer_optimizer()
+        if self._refusal() is None:
+            self._attach_outer_optimizer()
+
+    def _refusal(self) -> str | None:
+        """Why this callback cannot serve its model, or None: a strategy, or an optimizer that already
+        combines across processes."""
+        model = self.model
+        if model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
+            return (
+                "AdasumCallback is for one process per worker without a tf.distribute strategy; under a "
+                f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
+            )
+        stepping = _compat.loss_scale_inner(getattr(model, "optimizer", None))
+        # (An apply this callback extended, left by a fit that raised, is taken off at train begin.)
+        syncs = model_sync.syncs(stepping) and not model_sync.extended_by_callback(stepping)
+        if syncs or hasattr(stepping, "_tf_adasum_op"):
+            what = "DistributedOptimizer" if hasattr(stepping, "_tf_adasum_op") else type(stepping).__name__
+            return (
+                f"the model's optimizer is already a {what}, which combines across "
+                "processes itself: use either it or AdasumCallback, not both"
+            )
+        return None
 
     def _attach_outer_optimizer(self) -> None:
         """Builds the outer optimizer on the model's trainable variables (eagerly: Keras cannot build a
         stateful optimizer inside the train function) and hangs it on the model's optimizer, where
-        checkpoints find it. Nothing before the model and its optimizer exist (fit builds both first)."""
+        checkpoints find it (with none asked, takes off one an earlier callback hung there). Builds the
+        model's optimizer too: Keras loads no state into an optimizer that has none yet (a load_weights
+        after set_model, before fit). Nothing while the model has no weights (a Sequential without an
+        Input gets them in fit's first trace, after on_train_begin has refused it)."""
         outer, model = self.outer_optimizer, self.model
         optimizer = getattr(model, "optimizer", None)
-        if outer is None or optimizer is None or not model.weights or _compat.keras_2_name(model) is not None:
+        if optimizer is None or not model.weights or _compat.keras_2_name(model) is not None:
             return
         stepping = _compat.loss_scale_inner(optimizer)
+        if outer is None:
+            _compat.attach_outer(stepping, None)
+            return
         if outer is stepping:
             raise ValueError(
                 f"outer_optimizer is the model's optimizer {stepping.name!r}: the outer step needs an "
                 "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
                 "nesterov=True), ...)"
             )
+        variables = list(model.trainable_variables)
+        if outer.built:
+            own = [tf_variable(v) for v in _compat.trainable_variables_of(outer)]
+            if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
+                raise ValueError(
+                    f"outer_optimizer {outer.name!r} was built on {len(own)} other variables "
+                    f"({', '.join(v.name for v in own[:3])}, ...), not this model's {len(variables)} "
+                    f"({', '.join(v.name for v in variables[:3])}, ...): give each model, and each set of "
+                    "trainable variables, an outer optimizer of its own"
+                )
         with tf.init_scope():
-            # The model's optimizer too, as fit does before it calls set_model: Keras loads no state into
-            # an optimizer that has none yet (a load_weights after set_model, before fit).
-            _compat.build_optimizer(optimizer, list(model.trainable_variables))
-            _compat.build_optimizer(outer, list(model.trainable_variables))
-        model_sync.attach_outer(stepping, outer)
+            _compat.build_optimizer(optimizer, variables)
+            _compat.build_optimizer(outer, variables)
+        _compat.attach_outer(stepping, outer)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)
         model, optimizer = self.model, self.model.optimizer
-        if model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy():
-            raise ValueError(
-                "AdasumCallback is for one process per worker without a tf.distribute strategy; under a "
-                f"strategy ({type(model.distribute_strategy).__name__}) use tf_adasum.AdasumStrategy instead"
-            )
+        refusal = self._refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         keras_2 = _compat.keras_2_name(model) is not None
         stepping = optimizer if keras_2 else _compat.loss_scale_inner(optimizer)  # mixed_float16's inner
         if keras_2:
             keras2_sync.end_sync(stepping)  # left by a fit that raised before on_train_end
             keras2_sync.check_keras_2_optimizer(model, stepping)
-            asked = {
-                "outer_optimizer": self.outer_optimizer is not None,
-                "combine='mean'": self.combine != "adasum",
-                f"compression={self.compression!r}": self.compression != "none",
-            }
-            if any(asked.values()):
-                raise ValueError(
-                    f"AdasumCallback on a tf_keras (Keras 2) model takes no "
-                    f"{', '.join(k for k, v in asked.items() if v)}: build the model with Keras 3 (keras.*) "
-                    "for them, or leave them out"
-                )
+            self._refuse_what_keras_2_cannot_take()
         elif model_sync.extended_by_callback(stepping):
             del stepping.apply  # left by a fit that raised before on_train_end could restore it
-        if model_sync.syncs(stepping) or hasattr(stepping, "_tf_adasum_op"):
-            what = "DistributedOptimizer" if hasattr(stepping, "_tf_adasum_op") else type(stepping).__name__
-            raise ValueError(
-                f"the model's optimizer is already a {what}, which combines across "
-                "processes itself: use either it or AdasumCallback, not both"
-            )
         distributed.init()
         check_equal_steps(self.params)
         variables = list(model.trainable_variables)
@@ -178,7 +201,7 @@ class AdasumCallback(CountsBatches):
         if not keras_2:
             optimizer_options.check(stepping, self.sync_every)
         _compat.build_optimizer(optimizer, variables)
-        self._attach_outer_optimizer()  # a model fit built only now
+        self._attach_outer_optimizer()  # again: a set_model before the model had weights, or a stale one
         # The window's anchors (model_sync.start_window) and, with windows of several steps, the weights as
         # the last step left them, outside the optimizer so that it saves as the user's own. Each fit starts
         # a window at its first batch, after every callback's on_train_begin (a BackupAndRestore restore).
@@ -222,10 +245,27 @@ class AdasumCallback(CountsBatches):
         stepping.apply = apply_then_sync
         retrace_with(model)  # a train function traced before (an earlier fit) would not sync
 
+    def _refuse_what_keras_2_cannot_take(self) -> None:
+        asked = {
+            "outer_optimizer": self.outer_optimizer is not None,
+            "combine='mean'": self.combine != "adasum",
+            f"compression={self.compression!r}": self.compression != "none",
+        }
+        if any(asked.values()):
+            raise ValueError(
+                f"AdasumCallback on a tf_keras (Keras 2) model takes no "
+                f"{', '.join(k for k, v in asked.items() if v)}: build the model with Keras 3 (keras.*) "
+                "for them, or leave them out"
+            )
+
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._started:
             # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
             broadcast_model_and_optimizer(self.model, self.root, state_per_process=True)
+            if self.outer_optimizer is not None:
+                # One outer state for the job, root's: a resume where root alone loaded it (Horovod's)
+                # must not leave the others stepping from zeros.
+                broadcast_variables(self.outer_optimizer.variables, self.root)
             # This fit's first step opens a window, whatever the iteration count says.
             for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
                 anchor.assign(tf_variable(variable))

@@ -106,13 +106,15 @@ class TensorFlowKerasState(TensorFlowState):
         super().__init__(variables=[], **kwargs)
 
     def _own_variables(self) -> list[tuple[str, list[Any]]]:
-        # An outer optimizer AdasumCallback hung on the optimizer (asked by name, as below): it is attached
-        # only once fit starts, after a new process has taken root's state, so no commit can hold it.
-        if getattr(_compat.loss_scale_inner(self.optimizer), "tf_adasum_outer_optimizer", None) is not None:
+        # An outer optimizer AdasumCallback hung on the optimizer: it is attached only once fit starts,
+        # after a new process has taken root's state, so no commit can hold it.
+        outer = _compat.attached_outer(_compat.loss_scale_inner(self.optimizer))
+        if outer is not None:
             raise ValueError(
-                "an elastic state cannot commit AdasumCallback's outer optimizer: use "
-                "tf_adasum.AdasumStrategy(sync_every=..., outer_optimizer=...) in an elastic job, whose "
-                "optimizer carries the outer state in every commit"
+                f"an elastic state cannot commit AdasumCallback's outer optimizer {outer.name!r} "
+                f"({type(outer).__name__}): use tf_adasum.AdasumStrategy(sync_every=..., "
+                "outer_optimizer=...) in an elastic job, whose optimizer carries the outer state in every "
+                "commit"
             )
         optimizer = _compat.optimizer_variables(self.optimizer) if self.optimizer is not None else []
         return [("model", list(self.model.variables)), ("optimizer", optimizer)]

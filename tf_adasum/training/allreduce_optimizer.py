@@ -7,6 +7,7 @@ after the optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -171,7 +172,7 @@ def accumulate_then_step(
     iterations: Any,
     passes: int,
     average: bool,
-    step: Any,
+    step: Callable[[list[Any]], None],
 ) -> None:
     """Horovod's gradient accumulation (its LocalGradientAggregationHelper), under Keras 3 and tf_keras:
     each gradient added to its accumulator on this process; at every `passes`-th pass, counted by

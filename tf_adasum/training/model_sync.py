@@ -88,23 +88,6 @@ def check_outer_optimizer(outer: Any) -> Any:
     return outer
 
 
-# The attribute of an optimizer that AdasumCallback steps with an outer optimizer: Keras's saving walks
-# an optimizer's attributes, so checkpoints and model.save hold the outer state there.
-OUTER_ATTRIBUTE = "tf_adasum_outer_optimizer"
-
-
-def attach_outer(optimizer: Any, outer: Any) -> None:
-    """Hangs `outer` on `optimizer` (OUTER_ATTRIBUTE), where Keras's saving and tf.train.Checkpoint
-    find it, replacing any outer optimizer there."""
-    setattr(optimizer, OUTER_ATTRIBUTE, outer)
-    _compat.track(optimizer, outer, OUTER_ATTRIBUTE)
-
-
-def attached_outer(optimizer: Any) -> Any:
-    """The outer optimizer AdasumCallback hung on `optimizer`, or None."""
-    return getattr(optimizer, OUTER_ATTRIBUTE, None)
-
-
 def outer_copy(outer: Any) -> Any:
     """A fresh outer optimizer of `outer`'s config, created here (under the caller's strategy scope,
     where its state must live): an optimizer made before the strategy cannot keep mirrored state."""

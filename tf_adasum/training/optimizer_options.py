@@ -35,7 +35,6 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import _compat
-from tf_adasum.training import model_sync
 
 
 def check(optimizer: Any, sync_every: int, setting: str = "sync_every") -> None:
@@ -124,7 +123,7 @@ def refuse_unsynced_optimizer(optimizer: Any) -> None:
     apart across processes. (A tf_adasum wrapper's inner optimizer never gets here: strategy.adasum_for
     runs its wrapper's step, which syncs.)"""
     synced = _CALLBACK_STEPS.synced
-    if synced is None or optimizer is synced or optimizer is model_sync.attached_outer(synced):
+    if synced is None or optimizer is synced or optimizer is _compat.attached_outer(synced):
         return  # the model's optimizer, or the outer optimizer its syncs step
     kind = type(optimizer).__name__
     raise ValueError(
