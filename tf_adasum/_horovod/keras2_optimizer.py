@@ -31,7 +31,7 @@ from tf_adasum import _compat, distributed
 from tf_adasum._horovod.mpi_ops import grouped_allreduce
 from tf_adasum.distributed import Adasum, Average, Sum
 from tf_adasum.training import keras2_sync, model_sync
-from tf_adasum.training.allreduce_optimizer import accumulate_then_step
+from tf_adasum.training.optimizer_options import accumulate_then_step
 
 
 def _step_then_adasum(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,6 @@ after the optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -18,7 +17,7 @@ from tf_adasum.algorithm import agreement
 from tf_adasum.algorithm.compression import check_compression
 from tf_adasum.algorithm.tensor_lists import dense
 from tf_adasum.common.variables import variable_name
-from tf_adasum.training import model_sync
+from tf_adasum.training import model_sync, optimizer_options
 from tf_adasum.training.optimizer import WrappedOptimizer
 
 
@@ -145,7 +144,7 @@ class AllreduceOptimizer(WrappedOptimizer):
             if trainable_variables is not None
             else _compat.trainable_variables_of(self)
         )
-        accumulate_then_step(
+        optimizer_options.accumulate_then_step(
             [self._accumulated[_compat.variable_index(self, v)] for v in variables],
             grads,
             self.inner_optimizer.iterations,
@@ -164,38 +163,3 @@ class AllreduceOptimizer(WrappedOptimizer):
             "scale_local_gradients": self.scale_local_gradients,
             "groups": self.groups if isinstance(self.groups, int) else None,
         }
-
-
-def accumulate_then_step(
-    accumulators: list[Any],
-    gradients: list[Any],
-    iterations: Any,
-    passes: int,
-    average: bool,
-    step: Callable[[list[Any]], None],
-) -> None:
-    """Horovod's gradient accumulation (its LocalGradientAggregationHelper), under Keras 3 and tf_keras:
-    each gradient added to its accumulator on this process; at every `passes`-th pass, counted by
-    `iterations`, step(sums) (divided by `passes` when `average`; None where a gradient is None) and
-    the accumulators cleared; on the other passes only `iterations` moves, so that Adam's bias
-    correction counts passes. `step` moves `iterations` itself, as an optimizer's step does."""
-    for accumulator, g in zip(accumulators, gradients, strict=True):
-        if g is not None:
-            accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
-
-    def reduce_and_step() -> tf.Tensor:
-        step(
-            [
-                None if g is None else tf.identity(a) / passes if average else tf.identity(a)
-                for a, g in zip(accumulators, gradients, strict=True)
-            ]
-        )
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator))
-        return tf.constant(True)
-
-    def count_the_pass() -> tf.Tensor:
-        iterations.assign_add(1)
-        return tf.constant(False)
-
-    tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_step, count_the_pass)

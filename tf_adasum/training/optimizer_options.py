@@ -23,6 +23,9 @@ Refused (check), with what to do instead:
   the first step ("merge_call called while defining a new graph").
 - with AdasumCallback, a second plain optimizer in the train step (refuse_unsynced_optimizer): the
   callback combines the steps of the model's optimizer only.
+
+Horovod's own option, backward_passes_per_step for an all-reduce of gradients (AllreduceOptimizer, and
+the Horovod face under tf_keras), is accumulate_then_step.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import _compat
+from tf_adasum.algorithm.tensor_lists import dense
 
 
 def check(optimizer: Any, sync_every: int, setting: str = "sync_every") -> None:
@@ -132,3 +136,38 @@ def refuse_unsynced_optimizer(optimizer: Any) -> None:
         f"across processes: wrap it, `tf_adasum.AdasumOptimizer(keras.optimizers.{kind}(...))`, and step "
         "the wrapper"
     )
+
+
+def accumulate_then_step(
+    accumulators: list[Any],
+    gradients: list[Any],
+    iterations: Any,
+    passes: int,
+    average: bool,
+    step: Callable[[list[Any]], None],
+) -> None:
+    """Horovod's gradient accumulation (its LocalGradientAggregationHelper), under Keras 3 and tf_keras:
+    each gradient added to its accumulator on this process; at every `passes`-th pass, counted by
+    `iterations`, step(sums) (divided by `passes` when `average`; None where a gradient is None) and
+    the accumulators cleared; on the other passes only `iterations` moves, so that Adam's bias
+    correction counts passes. `step` moves `iterations` itself, as an optimizer's step does."""
+    for accumulator, g in zip(accumulators, gradients, strict=True):
+        if g is not None:
+            accumulator.assign_add(tf.cast(dense(g), accumulator.dtype))
+
+    def reduce_and_step() -> tf.Tensor:
+        step(
+            [
+                None if g is None else tf.identity(a) / passes if average else tf.identity(a)
+                for a, g in zip(accumulators, gradients, strict=True)
+            ]
+        )
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+        return tf.constant(True)
+
+    def count_the_pass() -> tf.Tensor:
+        iterations.assign_add(1)
+        return tf.constant(False)
+
+    tf.cond(tf.equal(tf.math.floormod(iterations + 1, passes), 0), reduce_and_step, count_the_pass)
