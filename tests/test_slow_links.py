@@ -1,0 +1,40 @@
+"""benchmarks/studies/slow_links.py: the accuracy part's runs and its report, end to end (the cost part
+needs root and a cluster of namespace hosts; its worker is the product's AdasumCallback and
+MultiWorkerMirroredStrategy, each tested on its own)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.studies import smoke
+
+
+@pytest.mark.slow
+def test_the_accuracy_part_runs_every_method_and_resumes(tmp_path: Path) -> None:
+    done = smoke(tmp_path / "out", "slow_links.py", "--parts", "accuracy", "report", "--workloads", "cnn")
+    out = tmp_path / "out_smoke"
+    with open(out / "accuracy.csv") as f:
+        rows = list(csv.DictReader(f))
+    # One worker on 2 seeds gives the target; every method at each H on seed 0, the grids' settings
+    # each once; the best of each (method, H) again on seed 1.
+    methods = {(r["method"], int(r["H"]), int(r["seed"])) for r in rows}
+    for method in ("adasum", "adasum_outer", "mean_outer"):
+        assert {(method, 4, 0), (method, 4, 1)} <= methods, methods
+    assert {("one", 1, 0), ("one", 1, 1), ("mwms", 1, 0), ("mwms", 1, 1)} <= methods
+    assert {float(r["inner_lr"]) for r in rows if r["method"] == "mwms" and r["seed"] == "0"} == {1e-3, 2e-3}
+    targets = {r["target"] for r in rows if r["method"] != "one"}
+    ones = [float(r["final_accuracy"]) for r in rows if r["method"] == "one"]
+    assert targets == {str(int(100 * sum(ones) / len(ones)) / 100)}, (targets, ones)
+    curves = [json.loads(line) for line in (out / "curves.jsonl").read_text().splitlines()]
+    assert len(curves) == len(rows)
+    for curve in curves:  # read at every sync, every 8 steps where H < 8, to the budget's end
+        assert [step for step, _ in curve["curve"]] == [8, 16], curve
+        assert curve["final_accuracy"] == round(curve["curve"][-1][1], 4)
+    assert "| Adasum every H + outer | 4 |" in done.stdout
+
+    again = smoke(tmp_path / "out", "slow_links.py", "--parts", "accuracy", "--workloads", "cnn")
+    assert '"method"' not in again.stdout  # every run was in the CSV: none ran again
