@@ -29,6 +29,9 @@ cost      On 4 namespace hosts (scripts/cluster.py), one process each, every lin
           model.fit with AdasumCallback(sync_every=H, combine=, outer_optimizer=) for each H, in
           alternating rounds. Gives ms per step over whole windows (the syncs' share included) and the
           bytes each host's eth0 sent per step.
+validate  The composition checked once: seed 0 of the best Adasum + outer setting at --validate-h
+          trained end to end on the cluster at the first --rates (AdasumCallback, each process on its
+          replica's slices of the same batches), its time and step to the target against the composed.
 report    time to target = steps to target x ms per step on that link, bytes likewise; tables and plots.
 
 Usage (the cost part as root; benchmarks/README.md gives the commands of the published run):
@@ -39,8 +42,8 @@ Usage (the cost part as root; benchmarks/README.md gives the commands of the pub
     .venv/bin/python benchmarks/studies/slow_links.py --smoke             # every part, tiny, minutes
 
 Writes OUT/accuracy.csv (a row per run, its curve in OUT/curves.jsonl), OUT/orthogonality.csv,
-OUT/cost.jsonl, OUT/table.md, OUT/time_to_target.png and OUT/curves.png (and the two plots into
-docs/training/ for the docs site).
+OUT/cost.jsonl, OUT/validation.jsonl, OUT/table.md, OUT/time_to_target.png and OUT/curves.png (and
+the two plots into docs/training/ for the docs site).
 """
 
 from __future__ import annotations
@@ -509,6 +512,115 @@ def worker(args: argparse.Namespace) -> None:
                 print(json.dumps({"method": method, "H": h, "round": round_, **cost}), flush=True)
 
 
+def validation_worker(args: argparse.Namespace) -> None:
+    """One process of the validation job: seed 0 of one Adasum + outer setting trained end to end with
+    AdasumCallback, each process on its replica's slices of the study's global batches; rank 0 reads
+    the held-out accuracy at each sync, off the clock, and prints (step, seconds, accuracy)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_adasum
+
+    comm = tf_adasum.init()
+    x, y, x_val, y_val = workload_data(args.workload, args.smoke, args.out)
+    h, (outer_lr, outer_momentum) = args.validate_h, args.validate_outer
+    budget = args.budget or BUDGET[args.workload]
+    keras.utils.set_random_seed(0)
+    model = make_model(args.workload)
+    compile_model(model, INNER_LR[args.workload])
+    predict = tf.function(
+        lambda inputs: tf.argmax(model(inputs, training=False), axis=1, output_type=tf.int32)
+    )
+    rng = np.random.default_rng(0)  # accuracy_run's order for seed 0
+    global_batch = LOCAL_BATCH * WORKERS
+    order = np.concatenate([rng.permutation(len(y)) for _ in range(budget * global_batch // len(y) + 1)])
+    mine = order[: budget * global_batch].reshape(budget, WORKERS, LOCAL_BATCH)[:, comm.rank].reshape(-1)
+    curve: list[tuple[int, float, float]] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs: Any = None) -> None:
+            self.step, self.off = 0, 0.0
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.step += 1
+            if self.step % h or comm.rank != 0:
+                return
+            now = time.perf_counter()
+            correct = int(tf.reduce_sum(tf.cast(predict(x_val) == y_val, tf.int32)))
+            curve.append((self.step, now - self.start - self.off, correct / len(y_val)))
+            self.off += time.perf_counter() - now
+
+    callback = tf_adasum.AdasumCallback(sync_every=h, outer_optimizer=outer(outer_lr, outer_momentum))
+    model.fit(
+        x[mine], y[mine], batch_size=LOCAL_BATCH, shuffle=False, verbose=0, callbacks=[callback, Clock()]
+    )
+    if comm.rank == 0:
+        print(json.dumps({"H": h, "outer_lr": outer_lr, "outer_momentum": outer_momentum, "curve": curve}))
+
+
+def validate_part(args: argparse.Namespace) -> None:
+    """The composition checked once: seed 0 of the best Adasum + outer setting at --validate-h, trained
+    end to end on the cluster at the first --rates, against steps x the cost part's ms per step."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
+    import bench_cluster
+
+    workload, h, rate = args.workloads[0], args.validate_h, args.rates[0]
+    budget = args.budget or BUDGET[workload]
+    rows = [r for r in read_csv(args.out / "accuracy.csv") if r["workload"] == workload]
+    row = best_settings([r for r in rows if int(r["budget"]) == budget])[(workload, "adasum_outer", h)]
+    target = float(row["target"])
+    setting = f"{float(row['outer_lr'])},{float(row['outer_momentum'])}"
+    job = [
+        "--worker",
+        "--validate",
+        "--workload",
+        workload,
+        "--validate-h",
+        str(h),
+        "--validate-outer",
+        setting,
+    ]
+    job += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
+    with bench_cluster.cluster.Cluster(hosts=WORKERS, name=bench_cluster.NAME, rate=None) as c:
+        c.shape(rate)
+        link = bench_cluster.goodput(c)
+        extra = {"TF_ADASUM_LINK_GBITS": f"{link / 1000:.2f}"}
+        result = bench_cluster.run_job(
+            c, f"{WORKERS}x1", "tf", "studies/slow_links.py", job, args.timeout, extra
+        )
+    if result["rc"] != 0 or not result["rows"]:
+        raise RuntimeError(
+            f"validation job failed ({result['rc']}): {result['stderr']}\n{result['stdout_tail']}"
+        )
+    curve = result["rows"][0]["curve"]
+    reached = next(((step, seconds) for step, seconds, a in curve if a >= target), None)
+    costs = [json.loads(line) for line in (args.out / "cost.jsonl").read_text().splitlines()]
+    ms = np.mean(
+        [
+            c["ms"]
+            for c in costs
+            if (c["rate"], c["workload"], c["method"], c["H"]) == (rate, workload, "adasum_outer", h)
+        ]
+    )
+    out = {
+        "rate": rate,
+        "goodput_mbit": link,
+        "workload": workload,
+        "H": h,
+        "outer": setting,
+        "target": target,
+        "study_steps_to_target": row["steps_to_target"],
+        "cluster_steps_to_target": reached and reached[0],
+        "cluster_seconds_to_target": reached and round(reached[1], 2),
+        "composed_seconds": reached and round(reached[0] * ms / 1e3, 2),
+        "curve": curve,
+    }
+    with open(args.out / "validation.jsonl", "a") as f:
+        f.write(json.dumps(out) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
+
+
 def cost_part(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
     import bench_cluster
@@ -838,7 +950,7 @@ def main() -> int:
         "--parts",
         nargs="+",
         default=["accuracy", "orthogonality", "cost", "report"],
-        choices=["accuracy", "orthogonality", "cost", "report"],
+        choices=["accuracy", "orthogonality", "cost", "validate", "report"],
     )
     parser.add_argument(
         "--workloads", nargs="+", default=["cnn", "transformer"], choices=["cnn", "transformer"]
@@ -862,12 +974,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "studies" / "slow_links_output")
     parser.add_argument("--smoke", action="store_true", help="every part, tiny")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--validate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--validate-h", type=int, default=64, help="validate: the H of the end-to-end run")
+    parser.add_argument("--validate-outer", type=setting, default=(0.5, 0.5), help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="cnn", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))
     if args.worker:
-        worker(args)
+        (validation_worker if args.validate else worker)(args)
         return 0
     if args.smoke:
         args.hs, args.seeds, args.budget, args.rounds = [4], 2, 16, 1
@@ -885,6 +1000,8 @@ def main() -> int:
         orthogonality_part(args)
     if "cost" in args.parts:
         cost_part(args)
+    if "validate" in args.parts:
+        validate_part(args)
     print(report(args))
     return 0
 
