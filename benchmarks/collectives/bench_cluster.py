@@ -45,7 +45,7 @@ of the TF engine's all-reduce jobs under TensorFlow's profiler, which sees insid
 adds "ops_profile" rows (collectives/op_profile.py): each rank's collectives in order, each one's time,
 and the time between them. --against MODULE.NAME=VALUE times, in the same jobs, the compiled call
 against the same call traced with one of tf_adasum's constants changed, their calls alternating: an A/B
-of one setting that the noise between jobs cannot blur.
+of one setting that the noise between jobs cannot blur (several settings: a TF job each).
 
 Every row goes to stdout and to OUT/results.jsonl as a JSON line with the rate, the layout and the
 measured goodput; OUT/table.md holds the tables and OUT/time_vs_rate.png the plot of time against the
@@ -265,9 +265,14 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                 megabytes = [*(args.small_megabytes if p >= 4 else []), *args.megabytes]
                 common = ["--megabytes", *map(str, megabytes), "--repeats", str(args.repeats)]
                 common += ["--bytes-calls", str(args.bytes_calls)]
+                common += ["--no-resnet"] if args.no_resnet else []
                 jobs: list[tuple[str, str, str, list[str]]] = []
                 if "allreduce" in args.parts:
                     jobs += [("allreduce", e, "collectives/cluster_worker.py", common) for e in args.engines]
+                    # Each --against setting: a TF job of its own (its first's rides on the job above).
+                    for setting in (args.against or [])[1:] if "tf" in args.engines else []:
+                        against_args = [*common, "--against", setting]
+                        jobs.append(("allreduce", "tf", "collectives/cluster_worker.py", against_args))
                 if "exchange" in args.parts and "tf" in args.engines and p % 2 == 0:
                     exchange = ["--exchanges", "--megabytes", *map(str, args.megabytes)]
                     jobs.append(
@@ -327,9 +332,10 @@ def run_matrix(args: argparse.Namespace, out: Path) -> None:
                         shutil.rmtree(trace.parent, ignore_errors=True)
                         extra["TF_ADASUM_TIMELINE"] = str(trace)
                     ops_dir = None
-                    if args.against and part == "allreduce" and engine == "tf":
-                        job_args = [*job_args, "--against", args.against]
-                    if args.ops_profile and part == "allreduce" and engine == "tf":
+                    first_tf = part == "allreduce" and engine == "tf" and "--against" not in job_args
+                    if args.against and first_tf:
+                        job_args = [*job_args, "--against", args.against[0]]
+                    if args.ops_profile and first_tf:
                         ops_dir = out / "ops_profile" / f"{rate}-{layout}"
                         shutil.rmtree(ops_dir, ignore_errors=True)
                         job_args = [*job_args, "--ops-profile", str(ops_dir)]
@@ -576,6 +582,9 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["mpi", "tf"], choices=["mpi", "tf"])
     parser.add_argument("--megabytes", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--small-megabytes", type=int, nargs="*", default=[1], help="also, where P >= 4")
+    parser.add_argument(
+        "--no-resnet", action="store_true", help="all-reduce jobs: leave the ResNet-50 list out (slow links)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bytes-calls", type=int, default=2)
     parser.add_argument("--fit-models", nargs="+", default=["mlp", "cnn"])
@@ -604,9 +613,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--against",
+        nargs="+",
         metavar="MODULE.NAME=VALUE",
         help="TF engine's all-reduce jobs: also the compiled call traced with tf_adasum.MODULE.NAME set to "
-        "VALUE, alternating with the compiled call in the same job (cluster_worker.py --against)",
+        "VALUE, alternating with the compiled call in the same job (cluster_worker.py --against); each "
+        "further setting in a TF job of its own",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "collectives" / "cluster_output")
     parser.add_argument(

@@ -158,7 +158,9 @@ def main() -> None:
         "--against",
         metavar="MODULE.NAME=VALUE",
         help="TF engine: also the compiled call traced with a constant of tf_adasum.MODULE set to VALUE "
-        "(e.g. vhdd.PIPELINE_BYTES=0), its calls alternating with the compiled call's in the same job: "
+        "(e.g. algorithm.vhdd.PIPELINE_BYTES=0, or a class's: "
+        "comm.tf_collective.TFCollectiveCommunicator.LANES=1), "
+        "its calls alternating with the compiled call's in the same job: "
         "against_ms, compiled_alternating_ms and against_ratio (the compiled call's ÷ against_ms)",
     )
     args = parser.parse_args()
@@ -270,8 +272,19 @@ def against(
     import tf_adasum
 
     name, _, value = setting.partition("=")
-    module_name, _, constant = name.partition(".")
-    module = importlib.import_module(f"tf_adasum.{module_name}")
+    path, _, constant = name.rpartition(".")
+    # The longest prefix of the path that is a module; the rest are attributes (a class's constant).
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module("tf_adasum." + ".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[cut:]:
+            module = getattr(module, attribute)
+        break
+    else:
+        raise ValueError(f"--against {setting}: no module of tf_adasum in {path!r}")
     before = getattr(module, constant)
     setattr(module, constant, type(before)(value))
     try:  # the constant is read while the call is traced
