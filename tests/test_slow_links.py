@@ -38,3 +38,18 @@ def test_the_accuracy_part_runs_every_method_and_resumes(tmp_path: Path) -> None
 
     again = smoke(tmp_path / "out", "slow_links.py", "--parts", "accuracy", "--workloads", "cnn")
     assert '"method"' not in again.stdout  # every run was in the CSV: none ran again
+
+    # The workers part: Adasum alone and the outer grid on 2 replicas, to the same target, the best of
+    # each again on seed 1, and the report's table of the best outer step against the workers.
+    scaled = smoke(tmp_path / "out", "slow_links.py", "--parts", "workers", "report", "--workloads", "cnn")
+    with open(out / "workers.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert {(r["method"], int(r["H"]), int(r["seed"]), int(r["workers"])) for r in runs} == {
+        (method, 4, seed, 2) for method in ("adasum", "adasum_outer") for seed in (0, 1)
+    }, runs
+    assert {r["target"] for r in runs} == targets
+    # Each run on 2 replicas, not on the accuracy part's 4: the same settings and seeds end elsewhere.
+    four = {(r["method"], r["seed"], r["outer_lr"], r["outer_momentum"]): r for r in rows if r["H"] == "4"}
+    two = [(r, four[(r["method"], r["seed"], r["outer_lr"], r["outer_momentum"])]) for r in runs]
+    assert any(a["final_accuracy"] != b["final_accuracy"] for a, b in two), two
+    assert "| 2 | 4 |" in scaled.stdout and "| 4 | 4 |" in scaled.stdout, scaled.stdout

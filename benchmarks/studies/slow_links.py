@@ -28,10 +28,16 @@ cost      On 4 namespace hosts (scripts/cluster.py), one process each, every lin
           strategy.run loop (Keras 3's fit under MWMS is broken upstream, keras-team/keras#20585), and
           model.fit with AdasumCallback(sync_every=H, combine=, outer_optimizer=) for each H, in
           alternating rounds. Gives ms per step over whole windows (the syncs' share included) and the
-          bytes each host's eth0 sent per step.
+          bytes each host's eth0 sent per step. --cost-compressions bf16: also Adasum every H with its
+          deltas in bfloat16 on the wire (method "adasum_bf16").
+workers   How the best outer step over Adasum moves with the number of workers: the accuracy part's
+          Adasum runs, with and without the outer grid, on --workers-counts replicas at --workers-hs.
 validate  The composition checked once: seed 0 of the best Adasum + outer setting at --validate-h
           trained end to end on the cluster at the first --rates (AdasumCallback, each process on its
           replica's slices of the same batches), its time and step to the target against the composed.
+compression  Compressed deltas over whole runs: every seed of the best Adasum + outer setting at each
+          --compression-hs trained end to end the same way, with AdasumCallback(compression=) "none",
+          "bf16" and "fp16": steps, seconds and bytes to the target and the final accuracy, measured.
 report    time to target = steps to target x ms per step on that link, bytes likewise; tables and plots.
 
 Usage (the cost part as root; benchmarks/README.md gives the commands of the published run):
@@ -42,14 +48,13 @@ Usage (the cost part as root; benchmarks/README.md gives the commands of the pub
     .venv/bin/python benchmarks/studies/slow_links.py --smoke             # every part, tiny, minutes
 
 Writes OUT/accuracy.csv (a row per run, its curve in OUT/curves.jsonl), OUT/orthogonality.csv,
-OUT/cost.jsonl, OUT/validation.jsonl, OUT/table.md, OUT/time_to_target.png and OUT/curves.png (and
-the two plots into docs/training/ for the docs site).
+OUT/cost.jsonl, OUT/validation.jsonl, OUT/compression.jsonl, OUT/table.md, OUT/time_to_target.png and
+OUT/curves.png (and the two plots into docs/training/ for the docs site).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -94,12 +99,18 @@ FIELDS = [
 # ----------------------------------------------------------------------------------------------- models
 
 
+def _convergence() -> Any:
+    """The convergence study's module (it imports TensorFlow, so only where a part needs it): its
+    workloads and its results CSV's helpers."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+    import convergence
+
+    return convergence
+
+
 def workload_data(workload: str, smoke: bool, out: Path) -> tuple[np.ndarray, ...]:
     if workload == "transformer":
-        sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
-        import convergence
-
-        return convergence.pointer_data(2_000 if smoke else 20_000)
+        return _convergence().pointer_data(2_000 if smoke else 20_000)
     from tf_adasum.demo import augmented_digits
 
     if smoke:
@@ -127,9 +138,7 @@ def make_model(workload: str) -> Any:
                 keras.layers.Dense(10),
             ]
         )
-    sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
-    import convergence
-
+    convergence = _convergence()
     width = 128
     tokens = keras.Input((convergence.POINTER_LENGTH,), dtype="int32")
     h = keras.layers.Embedding(max(convergence.POINTER_VOCAB, convergence.POINTER_LENGTH), width)(tokens)
@@ -172,7 +181,7 @@ def accuracy_run(
 
     x, y, x_val, y_val = data
     method, h, seed, budget = setting["method"], setting["H"], setting["seed"], setting["budget"]
-    workers = 1 if method == "one" else WORKERS
+    workers = 1 if method == "one" else int(setting.get("workers", WORKERS))
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:workers]]
     if method in ("one", "mwms"):
         strategy: Any = tf.distribute.MirroredStrategy(devices)
@@ -250,13 +259,6 @@ def setting_key(s: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def read_csv(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
 def steps_or_inf(row: dict[str, Any]) -> float:
     return float(row["steps_to_target"]) if row["steps_to_target"] not in ("", None) else math.inf
 
@@ -275,12 +277,19 @@ def best_settings(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict
     return best
 
 
-def accuracy_part(args: argparse.Namespace) -> None:
+def logical_cpus(args: argparse.Namespace) -> None:
+    """This process's CPU as one logical device per replica, for every part that runs in it: the same
+    configuration each time (TensorFlow refuses a different one once it has started)."""
     import tensorflow as tf
 
+    counts = [WORKERS, *(args.workers_counts if "workers" in args.parts else [])]
     tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * WORKERS
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * max(counts)
     )
+
+
+def accuracy_part(args: argparse.Namespace) -> None:
+    logical_cpus(args)
     path = args.out / "accuracy.csv"
     for workload in args.workloads:
         data = workload_data(workload, args.smoke, args.out)
@@ -292,14 +301,14 @@ def accuracy_part(args: argparse.Namespace) -> None:
         def run_all(
             settings: list[dict[str, Any]], target: float | None, data: tuple[np.ndarray, ...] = data
         ) -> list[dict[str, Any]]:
-            done = {setting_key(r): r for r in read_csv(path)}
+            done = {setting_key(r): r for r in _convergence().read_rows(path)}
             rows = []
             for s in settings:
                 if setting_key(s) in done:
                     rows.append(done[setting_key(s)])
                     continue
                 result = accuracy_run(data, s, target)
-                append(path, result["row"])
+                _convergence().append_row(path, FIELDS, result["row"])
                 with open(args.out / "curves.jsonl", "a") as f:
                     f.write(json.dumps({**result["row"], "curve": result["curve"]}) + "\n")
                 print(json.dumps(result["row"]), flush=True)
@@ -335,6 +344,116 @@ def accuracy_part(args: argparse.Namespace) -> None:
         run_all(seeds, target)
 
 
+def workers_part(args: argparse.Namespace) -> None:
+    """How the best outer step over Adasum moves with the number of workers: for each
+    --workers-counts N, the accuracy part's Adasum runs (no outer optimizer, and the outer grid) at each
+    --workers-hs on N replicas, each taking the budget's steps (N x 32 x budget samples), to the same
+    one-worker target; seed 0 of every setting, then the best on every seed. Writes OUT/workers.csv."""
+    logical_cpus(args)
+    path = args.out / "workers.csv"
+    for workload in args.workloads:
+        budget = args.budget or BUDGET[workload]
+        rows = [r for r in _convergence().read_rows(args.out / "accuracy.csv") if r["workload"] == workload]
+        targets = {r["target"] for r in rows if int(r["budget"]) == budget and r["target"] not in ("", None)}
+        if len(targets) != 1:
+            raise RuntimeError(f"workers: run the accuracy part of {workload} first (its target: {targets})")
+        target = float(targets.pop())
+        data = workload_data(workload, args.smoke, args.out)
+        lr = INNER_LR[workload]
+        for n in args.workers_counts:
+            base = {"workload": workload, "inner_lr": lr, "budget": budget, "workers": n}
+
+            grid = []
+            for h in args.workers_hs:
+                grid.append(
+                    {**base, "method": "adasum", "H": h, "seed": 0, "outer_lr": 1.0, "outer_momentum": 0.0}
+                )
+                grid += [
+                    {**base, "method": "adasum_outer", "H": h, "seed": 0, "outer_lr": o, "outer_momentum": m}
+                    for o, m in args.adasum_outer_grid
+                    if (o, m) != (1.0, 0.0)
+                ]
+            best = best_settings(run_workers(path, data, grid, target))
+            seeds = []
+            for row in best.values():
+                setting = {**base, "method": row["method"], "H": int(row["H"])}
+                setting |= {k: float(row[k]) for k in ("outer_lr", "outer_momentum")}
+                seeds += [{**setting, "seed": s} for s in range(1, args.seeds)]
+            run_workers(path, data, seeds, target)
+
+
+def run_workers(
+    path: Path, data: tuple[np.ndarray, ...], settings: list[dict[str, Any]], target: float
+) -> list[dict[str, Any]]:
+    """The workers part's runs of `settings` (each with its "workers"), those not in `path` yet appended:
+    every setting's row."""
+    fields = [*FIELDS, "workers"]
+    done = {(*setting_key(r), int(r["workers"])): r for r in _convergence().read_rows(path)}
+    rows = []
+    for s in settings:
+        key = (*setting_key(s), int(s["workers"]))
+        if key not in done:
+            done[key] = {**accuracy_run(data, s, target)["row"], "workers": s["workers"]}
+            _convergence().append_row(path, fields, done[key])
+            print(json.dumps(done[key]), flush=True)
+        rows.append(done[key])
+    return rows
+
+
+def workers_table(out: Path, workload: str, budget: int) -> list[str]:
+    """Per number of workers and H: the best outer setting over Adasum (none: Adasum alone), its steps to
+    the target and final accuracy over the seeds; 4 workers from the accuracy part."""
+    rows = [
+        {**r, "workers": "4"}
+        for r in _convergence().read_rows(out / "accuracy.csv")
+        if r["method"] in ("adasum", "adasum_outer")
+    ]
+    rows += _convergence().read_rows(out / "workers.csv")
+    rows = [r for r in rows if r["workload"] == workload and int(r["budget"]) == budget]
+    counts = sorted({int(r["workers"]) for r in rows})
+    hs = sorted({int(r["H"]) for r in rows if r["workers"] != "4"})
+    if len(counts) < 2:
+        return []
+    lines = [
+        f"The best outer step over Adasum against the number of workers, {workload} (each worker "
+        f"{budget} steps of {LOCAL_BATCH}; seed 0 picks, mean (min-max) over the seeds):",
+        "",
+        "| workers | H | Adasum alone: steps (final) | best outer (lr, momentum) | its steps to target "
+        "| its final accuracy |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def over_seeds(best: dict[str, Any], mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        same = ("method", "outer_lr", "outer_momentum")
+        return [r for r in mine if int(r["H"]) == int(best["H"]) and all(r[k] == best[k] for k in same)]
+
+    def text(runs: list[dict[str, Any]]) -> tuple[str, str]:
+        steps = [steps_or_inf(r) for r in runs]
+        finals = [float(r["final_accuracy"]) for r in runs]
+        reached = sum(map(math.isfinite, steps))
+        steps_text = (
+            f"{np.mean(steps):.0f} ({min(steps):.0f}-{max(steps):.0f})"
+            if reached == len(steps)
+            else f"{reached} of {len(steps)} seeds"
+        )
+        return steps_text, f"{np.mean(finals):.3f} ({min(finals):.3f}-{max(finals):.3f})"
+
+    for n in counts:
+        mine = [r for r in rows if int(r["workers"]) == n]
+        best = best_settings(mine)
+        for h in hs:
+            alone, outer_best = best.get((workload, "adasum", h)), best.get((workload, "adasum_outer", h))
+            if alone is None or outer_best is None:
+                continue
+            alone_steps, alone_final = text(over_seeds(alone, mine))
+            steps_text, final_text = text(over_seeds(outer_best, mine))
+            setting = f"{float(outer_best['outer_lr']):g}, {float(outer_best['outer_momentum']):g}"
+            lines.append(
+                f"| {n} | {h} | {alone_steps} ({alone_final}) | {setting} | {steps_text} | {final_text} |"
+            )
+    return [*lines, ""]
+
+
 def layer_names(names: list[str]) -> dict[str, str]:
     """The monitor's names ("orthogonality/sequential_4/conv2d_9/kernel") as the same in every run: the
     model's name dropped, each kind of layer numbered in order ("conv2d2/kernel"); "orthogonality",
@@ -361,14 +480,10 @@ def orthogonality_part(args: argparse.Namespace) -> None:
     """Seed 0 of the best Adasum + outer setting at each H again, with tf_adasum's OrthogonalityMonitor:
     per variable, |adasum(d_1..d_4)|^2 / sum |d_i|^2 at each sync (1: the deltas were orthogonal and
     Adasum added them; 1/4: they were equal). Writes OUT/orthogonality.csv."""
-    import tensorflow as tf
-
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * WORKERS
-    )
+    logical_cpus(args)
     path = args.out / "orthogonality.csv"
-    done = {(r["workload"], int(r["H"])) for r in read_csv(path)}
-    rows = read_csv(args.out / "accuracy.csv")
+    done = {(r["workload"], int(r["H"])) for r in _convergence().read_rows(path)}
+    rows = _convergence().read_rows(args.out / "accuracy.csv")
     for workload in args.workloads:
         budget = args.budget or BUDGET[workload]
         best = best_settings([r for r in rows if r["workload"] == workload and int(r["budget"]) == budget])
@@ -393,34 +508,21 @@ def orthogonality_part(args: argparse.Namespace) -> None:
                 "first_quarter",
                 "last_quarter",
             ]
-            with open(path, "a", newline="") as f:
-                writer = csv.DictWriter(f, fields)
-                if f.tell() == 0:
-                    writer.writeheader()
-                quarter = max(1, len(history) // 4)
-                names = layer_names(sorted({name for _, v in history for name in v}))
-                for variable, short in names.items():
-                    values = [v[variable] for _, v in history if variable in v]
-                    writer.writerow(
-                        {
-                            "workload": workload,
-                            "H": h,
-                            "outer_lr": setting["outer_lr"],
-                            "outer_momentum": setting["outer_momentum"],
-                            "variable": short,
-                            "mean": round(float(np.mean(values)), 4),
-                            "first_quarter": round(float(np.mean(values[:quarter])), 4),
-                            "last_quarter": round(float(np.mean(values[-quarter:])), 4),
-                        }
-                    )
-
-
-def append(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        if f.tell() == 0:
-            writer.writeheader()
-        writer.writerow(row)
+            quarter = max(1, len(history) // 4)
+            names = layer_names(sorted({name for _, v in history for name in v}))
+            for variable, short in names.items():
+                values = [v[variable] for _, v in history if variable in v]
+                row = {
+                    "workload": workload,
+                    "H": h,
+                    "outer_lr": setting["outer_lr"],
+                    "outer_momentum": setting["outer_momentum"],
+                    "variable": short,
+                    "mean": round(float(np.mean(values)), 4),
+                    "first_quarter": round(float(np.mean(values[:quarter])), 4),
+                    "last_quarter": round(float(np.mean(values[-quarter:])), 4),
+                }
+                _convergence().append_row(path, fields, row)
 
 
 # ------------------------------------------------------------------------------------------------- cost
@@ -448,7 +550,7 @@ def worker(args: argparse.Namespace) -> None:
         idx = np.arange(count * LOCAL_BATCH) % len(y)
         return x[idx], y[idx]
 
-    def fit_cost(h: int, combine: str, outer_optimizer: Any) -> dict[str, float]:
+    def fit_cost(h: int, combine: str, outer_optimizer: Any, compression: str = "none") -> dict[str, float]:
         warmup, measured = max(h, 8), max(h, 16)
         model = make_model(args.workload)
         compile_model(model, lr)
@@ -459,7 +561,9 @@ def worker(args: argparse.Namespace) -> None:
                 if batch + 1 in (warmup, warmup + measured):
                     marks[batch + 1] = (time.perf_counter(), tx_bytes())
 
-        callback = tf_adasum.AdasumCallback(sync_every=h, combine=combine, outer_optimizer=outer_optimizer)
+        callback = tf_adasum.AdasumCallback(
+            sync_every=h, combine=combine, outer_optimizer=outer_optimizer, compression=compression
+        )
         xs, ys = batches(warmup + measured)
         model.fit(xs, ys, batch_size=LOCAL_BATCH, shuffle=False, verbose=0, callbacks=[callback, Marks()])
         (t0, b0), (t1, b1) = marks[warmup], marks[warmup + measured]
@@ -506,6 +610,8 @@ def worker(args: argparse.Namespace) -> None:
             cases.append(("adasum", h, lambda h=h: fit_cost(h, "adasum", None)))
             cases.append(("adasum_outer", h, lambda h=h: fit_cost(h, "adasum", outer(0.5, 0.5))))
             cases.append(("mean_outer", h, lambda h=h: fit_cost(h, "mean", outer(0.7, 0.9))))
+            for wire in args.cost_compressions:  # Adasum's deltas narrowed on the wire ("adasum_bf16")
+                cases.append((f"adasum_{wire}", h, lambda h=h, w=wire: fit_cost(h, "adasum", None, w)))
         for method, h, measure in cases:
             cost = measure()
             if comm.rank == 0:
@@ -513,9 +619,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def validation_worker(args: argparse.Namespace) -> None:
-    """One process of the validation job: seed 0 of one Adasum + outer setting trained end to end with
-    AdasumCallback, each process on its replica's slices of the study's global batches; rank 0 reads
-    the held-out accuracy at each sync, off the clock, and prints (step, seconds, accuracy)."""
+    """One process of an end-to-end job (the validate and compression parts): --seed of one Adasum +
+    outer setting trained with AdasumCallback(compression=--compression), each process on its replica's
+    slices of the study's global batches of that seed; rank 0 reads the held-out accuracy at each sync,
+    off the clock, and prints (step, seconds, accuracy) and the bytes its host sent during fit."""
     import keras
     import tensorflow as tf
 
@@ -525,21 +632,23 @@ def validation_worker(args: argparse.Namespace) -> None:
     x, y, x_val, y_val = workload_data(args.workload, args.smoke, args.out)
     h, (outer_lr, outer_momentum) = args.validate_h, args.validate_outer
     budget = args.budget or BUDGET[args.workload]
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(args.seed)
     model = make_model(args.workload)
     compile_model(model, INNER_LR[args.workload])
     predict = tf.function(
         lambda inputs: tf.argmax(model(inputs, training=False), axis=1, output_type=tf.int32)
     )
-    rng = np.random.default_rng(0)  # accuracy_run's order for seed 0
+    rng = np.random.default_rng(args.seed)  # accuracy_run's order for this seed
     global_batch = LOCAL_BATCH * WORKERS
     order = np.concatenate([rng.permutation(len(y)) for _ in range(budget * global_batch // len(y) + 1)])
     mine = order[: budget * global_batch].reshape(budget, WORKERS, LOCAL_BATCH)[:, comm.rank].reshape(-1)
     curve: list[tuple[int, float, float]] = []
+    sent = [0, 0]
 
     class Clock(keras.callbacks.Callback):
         def on_train_begin(self, logs: Any = None) -> None:
             self.step, self.off = 0, 0.0
+            sent[0] = tx_bytes()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -551,12 +660,39 @@ def validation_worker(args: argparse.Namespace) -> None:
             curve.append((self.step, now - self.start - self.off, correct / len(y_val)))
             self.off += time.perf_counter() - now
 
-    callback = tf_adasum.AdasumCallback(sync_every=h, outer_optimizer=outer(outer_lr, outer_momentum))
+        def on_train_end(self, logs: Any = None) -> None:
+            sent[1] = tx_bytes()
+
+    callback = tf_adasum.AdasumCallback(
+        sync_every=h, outer_optimizer=outer(outer_lr, outer_momentum), compression=args.compression
+    )
     model.fit(
         x[mine], y[mine], batch_size=LOCAL_BATCH, shuffle=False, verbose=0, callbacks=[callback, Clock()]
     )
     if comm.rank == 0:
-        print(json.dumps({"H": h, "outer_lr": outer_lr, "outer_momentum": outer_momentum, "curve": curve}))
+        row = {"H": h, "outer_lr": outer_lr, "outer_momentum": outer_momentum, "seed": args.seed}
+        row |= {"compression": args.compression, "fit_bytes": sent[1] - sent[0], "curve": curve}
+        print(json.dumps(row))
+
+
+def end_to_end_job(
+    args: argparse.Namespace, c: Any, h: int, setting: str, seed: int, compression: str, extra: dict[str, str]
+) -> dict[str, Any]:
+    """One end-to-end job of validation_worker on the cluster `c`: rank 0's row."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
+    import bench_cluster
+
+    job = ["--worker", "--validate", "--workload", args.workloads[0], "--validate-h", str(h)]
+    job += ["--validate-outer", setting, "--seed", str(seed), "--compression", compression]
+    job += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
+    if args.budget:
+        job += ["--budget", str(args.budget)]
+    result = bench_cluster.run_job(c, f"{WORKERS}x1", "tf", "studies/slow_links.py", job, args.timeout, extra)
+    if result["rc"] != 0 or not result["rows"]:
+        raise RuntimeError(
+            f"end-to-end job failed ({result['rc']}): {result['stderr']}\n{result['stdout_tail']}"
+        )
+    return dict(result["rows"][0])
 
 
 def validate_part(args: argparse.Namespace) -> None:
@@ -567,33 +703,16 @@ def validate_part(args: argparse.Namespace) -> None:
 
     workload, h, rate = args.workloads[0], args.validate_h, args.rates[0]
     budget = args.budget or BUDGET[workload]
-    rows = [r for r in read_csv(args.out / "accuracy.csv") if r["workload"] == workload]
+    rows = [r for r in _convergence().read_rows(args.out / "accuracy.csv") if r["workload"] == workload]
     row = best_settings([r for r in rows if int(r["budget"]) == budget])[(workload, "adasum_outer", h)]
     target = float(row["target"])
     setting = f"{float(row['outer_lr'])},{float(row['outer_momentum'])}"
-    job = [
-        "--worker",
-        "--validate",
-        "--workload",
-        workload,
-        "--validate-h",
-        str(h),
-        "--validate-outer",
-        setting,
-    ]
-    job += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
     with bench_cluster.cluster.Cluster(hosts=WORKERS, name=bench_cluster.NAME, rate=None) as c:
         c.shape(rate)
         link = bench_cluster.goodput(c)
         extra = {"TF_ADASUM_LINK_GBITS": f"{link / 1000:.2f}"}
-        result = bench_cluster.run_job(
-            c, f"{WORKERS}x1", "tf", "studies/slow_links.py", job, args.timeout, extra
-        )
-    if result["rc"] != 0 or not result["rows"]:
-        raise RuntimeError(
-            f"validation job failed ({result['rc']}): {result['stderr']}\n{result['stdout_tail']}"
-        )
-    curve = result["rows"][0]["curve"]
+        result = end_to_end_job(args, c, h, setting, 0, "none", extra)
+    curve = result["curve"]
     reached = next(((step, seconds) for step, seconds, a in curve if a >= target), None)
     costs = [json.loads(line) for line in (args.out / "cost.jsonl").read_text().splitlines()]
     ms = np.mean(
@@ -621,6 +740,115 @@ def validate_part(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
 
 
+COMPRESSIONS = ["none", "bf16", "fp16"]
+
+
+def compression_part(args: argparse.Namespace) -> None:
+    """Compressed deltas over whole runs: each seed of the best Adasum + outer setting at each
+    --compression-hs, trained end to end on the cluster at the first --rates with AdasumCallback's
+    compression none, bf16 and fp16 (the deltas cross processes narrowed, the arithmetic in float32):
+    steps, seconds and bytes to the target, and the final accuracy. Resumable (OUT/compression.jsonl)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
+    import bench_cluster
+
+    workload, rate = args.workloads[0], args.rates[0]
+    budget = args.budget or BUDGET[workload]
+    rows = [r for r in _convergence().read_rows(args.out / "accuracy.csv") if r["workload"] == workload]
+    rows = [r for r in rows if int(r["budget"]) == budget]
+    best = best_settings(rows)
+    path = args.out / "compression.jsonl"
+    done = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["workload"], r["rate"], r["H"], r["compression"], r["seed"]))
+    with bench_cluster.cluster.Cluster(hosts=WORKERS, name=bench_cluster.NAME, rate=None) as c:
+        c.shape(rate)
+        link = bench_cluster.goodput(c)
+        extra = {"TF_ADASUM_LINK_GBITS": f"{link / 1000:.2f}"}
+        for seed in range(args.seeds):
+            for h in args.compression_hs:
+                row = best[(workload, "adasum_outer", h)]
+                target = float(row["target"])
+                setting = f"{float(row['outer_lr'])},{float(row['outer_momentum'])}"
+                study = next(
+                    (
+                        r["steps_to_target"]
+                        for r in rows
+                        if (r["method"], int(r["H"]), int(r["seed"])) == ("adasum_outer", h, seed)
+                        and (r["outer_lr"], r["outer_momentum"]) == (row["outer_lr"], row["outer_momentum"])
+                    ),
+                    None,
+                )
+                for compression in COMPRESSIONS:
+                    if (workload, rate, h, compression, seed) in done:
+                        continue
+                    result = end_to_end_job(args, c, h, setting, seed, compression, extra)
+                    curve = result["curve"]
+                    reached = next(((step, sec) for step, sec, a in curve if a >= target), None)
+                    out = {
+                        "workload": workload,
+                        "rate": rate,
+                        "goodput_mbit": link,
+                        "H": h,
+                        "outer": setting,
+                        "compression": compression,
+                        "seed": seed,
+                        "target": target,
+                        "study_steps_to_target": study or None,
+                        "steps_to_target": reached and reached[0],
+                        "seconds_to_target": reached and round(reached[1], 2),
+                        "final_accuracy": curve[-1][2],
+                        "fit_megabytes": round(result["fit_bytes"] / 2**20, 2),
+                        "fit_seconds": round(curve[-1][1], 2),
+                        "curve": curve,
+                    }
+                    with open(path, "a") as f:
+                        f.write(json.dumps(out) + "\n")
+                    print(json.dumps({k: v for k, v in out.items() if k != "curve"}), flush=True)
+
+
+def compression_table(out: Path, workload: str) -> list[str]:
+    """Per H and compression, over the seeds: steps, seconds and megabytes to the target, final accuracy."""
+    path = out / "compression.jsonl"
+    if not path.exists():
+        return []
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r["workload"] == workload:
+            runs.setdefault((r["rate"], r["H"], r["compression"]), []).append(r)
+    if not runs:
+        return []
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{np.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    lines = [
+        f"Compressed deltas end to end, {workload}: Adasum + outer, AdasumCallback on 4 namespace hosts",
+        "",
+        "| link | H | compression | seeds | steps to target (one-process study, uncompressed) "
+        "| s to target | final accuracy | MB sent per host in fit | s in fit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for (rate, h, compression), rs in sorted(
+        runs.items(), key=lambda kv: (kv[0][0], kv[0][1], COMPRESSIONS.index(kv[0][2]))
+    ):
+        reached = [r for r in rs if r["steps_to_target"]]
+        steps = [float(r["steps_to_target"]) for r in reached]
+        study = [float(r["study_steps_to_target"]) for r in rs if r["study_steps_to_target"]]
+        steps_text = spread(steps, 0) if len(reached) == len(rs) else f"{len(reached)} of {len(rs)} seeds"
+        study_text = spread(study, 0) if len(study) == len(rs) else f"{len(study)} of {len(rs)} seeds"
+        seconds = [float(r["seconds_to_target"]) for r in reached]
+        lines.append(
+            f"| {rate} ({rs[0]['goodput_mbit']:.0f} Mbit/s) | {h} | {compression} | {len(rs)} "
+            f"| {steps_text} ({study_text}) | {spread(seconds, 1) if seconds else '-'} "
+            f"| {spread([r['final_accuracy'] for r in rs], 3)} "
+            f"| {spread([r['fit_megabytes'] for r in rs], 1)} | {spread([r['fit_seconds'] for r in rs], 1)} |"
+        )
+    return [*lines, ""]
+
+
 def cost_part(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "collectives"))
     import bench_cluster
@@ -640,6 +868,8 @@ def cost_part(args: argparse.Namespace) -> None:
                     str(args.rounds),
                     "--hs",
                     *map(str, args.hs),
+                    "--cost-compressions",
+                    *args.cost_compressions,
                 ]
                 job += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
                 result = bench_cluster.run_job(
@@ -672,7 +902,7 @@ LABELS = {
 def orthogonality_table(out: Path, workload: str) -> list[str]:
     """Per H, the best Adasum + outer run's orthogonality: its mean over variables and syncs, and the
     range of its kernels' means (1: orthogonal deltas, Adasum adds them; 1/4: equal deltas)."""
-    rows = [r for r in read_csv(out / "orthogonality.csv") if r["workload"] == workload]
+    rows = [r for r in _convergence().read_rows(out / "orthogonality.csv") if r["workload"] == workload]
     if not rows:
         return []
     lines = [
@@ -724,8 +954,90 @@ def grid_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def accuracy_table(
+    workload: str,
+    mine: list[dict[str, Any]],
+    ones: list[dict[str, Any]],
+    costs: dict[tuple[str, str, str, int], list[dict[str, float]]],
+    goodputs: dict[str, float],
+    results: list[dict[str, Any]],
+) -> list[str]:
+    """The study's main table of one workload: each method's best setting at each H over the seeds, its
+    steps and final accuracy, and its time, bytes and ratio to MWMS's on each link; `results` gets the
+    plots' points."""
+    lines: list[str] = []
+    best = best_settings(mine)
+    target = (
+        float(next(r for r in mine if r["target"] not in ("", None))["target"])
+        if len(mine) > len(ones)
+        else None
+    )
+    lines += [
+        f"## {workload}: target {target} (one worker's final accuracy "
+        f"{np.mean([float(r['final_accuracy']) for r in ones]):.4f}, {len(ones)} seeds, floored)",
+        "",
+    ]
+    header = "| method | H | inner lr | outer (lr, momentum) | seeds | steps to target | final accuracy |"
+    rates = sorted(goodputs, key=lambda r: goodputs[r])
+    for rate in rates:
+        header += f" s to target, {rate} | MB/host to target, {rate} | x MWMS, {rate} |"
+    lines += [header, "|" + " --- |" * (header.count("|") - 1)]
+    mwms_time: dict[str, float] = {}
+    for (_, method, h), row in sorted(
+        best.items(),
+        key=lambda kv: (list(LABELS).index(kv[0][1]) if kv[0][1] in LABELS else -1, kv[0][2]),
+    ):
+        if method not in LABELS:
+            continue
+        setting = (row["inner_lr"], row["outer_lr"], row["outer_momentum"])
+        runs = [
+            r
+            for r in mine
+            if (r["method"], int(r["H"])) == (method, h)
+            and (r["inner_lr"], r["outer_lr"], r["outer_momentum"]) == setting
+        ]
+        steps = [steps_or_inf(r) for r in runs]
+        finals = [float(r["final_accuracy"]) for r in runs]
+        reached = all(math.isfinite(s) for s in steps)
+        outer_text = (
+            "-"
+            if method in ("mwms", "adasum")
+            else f"{float(row['outer_lr']):g}, {float(row['outer_momentum']):g}"
+        )
+        steps_text = (
+            f"{np.mean(steps):.0f} ({min(steps):.0f}-{max(steps):.0f})"
+            if reached
+            else f"reached in {sum(map(math.isfinite, steps))} of {len(steps)} seeds"
+        )
+        cells = (
+            f"| {LABELS[method]} | {h} | {float(row['inner_lr']):g} | {outer_text} | {len(runs)} "
+            f"| {steps_text} "
+            f"| {np.mean(finals):.3f} ({min(finals):.3f}-{max(finals):.3f}) |"
+        )
+        result = {"workload": workload, "method": method, "H": h, "steps": steps, "final": finals}
+        for rate in rates:
+            measured = costs.get((rate, workload, method, h))
+            if not measured or not reached:
+                cells += " - | - | - |"
+                continue
+            ms = float(np.mean([m["ms"] for m in measured]))
+            per_step_bytes = float(np.mean([m["bytes"] for m in measured]))
+            seconds = [s * ms / 1e3 for s in steps]
+            if method == "mwms":
+                mwms_time[rate] = float(np.mean(seconds))
+            ratio = float(np.mean(seconds)) / mwms_time[rate] if rate in mwms_time else math.nan
+            result[f"seconds_{rate}"] = seconds
+            cells += (
+                f" {np.mean(seconds):.1f} ({min(seconds):.1f}-{max(seconds):.1f}) "
+                f"| {np.mean(steps) * per_step_bytes / 2**20:.1f} | {ratio:.2f} |"
+            )
+        lines.append(cells)
+        results.append(result)
+    return lines
+
+
 def report(args: argparse.Namespace) -> str:
-    rows = read_csv(args.out / "accuracy.csv")
+    rows = _convergence().read_rows(args.out / "accuracy.csv")
     costs: dict[tuple[str, str, str, int], list[dict[str, float]]] = {}
     goodputs: dict[str, float] = {}
     if (args.out / "cost.jsonl").exists():
@@ -739,76 +1051,11 @@ def report(args: argparse.Namespace) -> str:
         budget = args.budget or BUDGET[workload]
         mine = [r for r in rows if r["workload"] == workload and int(r["budget"]) == budget]
         ones = [r for r in mine if r["method"] == "one"]
-        if not ones:
-            continue
-        best = best_settings(mine)
-        target = (
-            float(next(r for r in mine if r["target"] not in ("", None))["target"])
-            if len(mine) > len(ones)
-            else None
-        )
-        lines += [
-            f"## {workload}: target {target} (one worker's final accuracy "
-            f"{np.mean([float(r['final_accuracy']) for r in ones]):.4f}, {len(ones)} seeds, floored)",
-            "",
-        ]
-        header = "| method | H | inner lr | outer (lr, momentum) | seeds | steps to target | final accuracy |"
-        rates = sorted(goodputs, key=lambda r: goodputs[r])
-        for rate in rates:
-            header += f" s to target, {rate} | MB/host to target, {rate} | x MWMS, {rate} |"
-        lines += [header, "|" + " --- |" * (header.count("|") - 1)]
-        mwms_time: dict[str, float] = {}
-        for (_, method, h), row in sorted(
-            best.items(),
-            key=lambda kv: (list(LABELS).index(kv[0][1]) if kv[0][1] in LABELS else -1, kv[0][2]),
-        ):
-            if method not in LABELS:
-                continue
-            setting = (row["inner_lr"], row["outer_lr"], row["outer_momentum"])
-            runs = [
-                r
-                for r in mine
-                if (r["method"], int(r["H"])) == (method, h)
-                and (r["inner_lr"], r["outer_lr"], r["outer_momentum"]) == setting
-            ]
-            steps = [steps_or_inf(r) for r in runs]
-            finals = [float(r["final_accuracy"]) for r in runs]
-            reached = all(math.isfinite(s) for s in steps)
-            outer_text = (
-                "-"
-                if method in ("mwms", "adasum")
-                else f"{float(row['outer_lr']):g}, {float(row['outer_momentum']):g}"
-            )
-            steps_text = (
-                f"{np.mean(steps):.0f} ({min(steps):.0f}-{max(steps):.0f})"
-                if reached
-                else f"reached in {sum(map(math.isfinite, steps))} of {len(steps)} seeds"
-            )
-            cells = (
-                f"| {LABELS[method]} | {h} | {float(row['inner_lr']):g} | {outer_text} | {len(runs)} "
-                f"| {steps_text} "
-                f"| {np.mean(finals):.3f} ({min(finals):.3f}-{max(finals):.3f}) |"
-            )
-            result = {"workload": workload, "method": method, "H": h, "steps": steps, "final": finals}
-            for rate in rates:
-                measured = costs.get((rate, workload, method, h))
-                if not measured or not reached:
-                    cells += " - | - | - |"
-                    continue
-                ms = float(np.mean([m["ms"] for m in measured]))
-                per_step_bytes = float(np.mean([m["bytes"] for m in measured]))
-                seconds = [s * ms / 1e3 for s in steps]
-                if method == "mwms":
-                    mwms_time[rate] = float(np.mean(seconds))
-                ratio = float(np.mean(seconds)) / mwms_time[rate] if rate in mwms_time else math.nan
-                result[f"seconds_{rate}"] = seconds
-                cells += (
-                    f" {np.mean(seconds):.1f} ({min(seconds):.1f}-{max(seconds):.1f}) "
-                    f"| {np.mean(steps) * per_step_bytes / 2**20:.1f} | {ratio:.2f} |"
-                )
-            lines.append(cells)
-            results.append(result)
-        lines += ["", *grid_table(mine), "", *orthogonality_table(args.out, workload)]
+        if ones:
+            lines += accuracy_table(workload, mine, ones, costs, goodputs, results)
+            lines += ["", *grid_table(mine), "", *orthogonality_table(args.out, workload)]
+            lines += compression_table(args.out, workload)
+            lines += workers_table(args.out, workload, budget)
         cost_lines = [
             "| link | method | H | ms per step (rounds) | KB sent per step per host |",
             "| --- | --- | --- | --- | --- |",
@@ -950,7 +1197,7 @@ def main() -> int:
         "--parts",
         nargs="+",
         default=["accuracy", "orthogonality", "cost", "report"],
-        choices=["accuracy", "orthogonality", "cost", "validate", "report"],
+        choices=["accuracy", "orthogonality", "workers", "cost", "validate", "compression", "report"],
     )
     parser.add_argument(
         "--workloads", nargs="+", default=["cnn", "transformer"], choices=["cnn", "transformer"]
@@ -978,6 +1225,22 @@ def main() -> int:
     parser.add_argument("--validate-h", type=int, default=64, help="validate: the H of the end-to-end run")
     parser.add_argument("--validate-outer", type=setting, default=(0.5, 0.5), help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="cnn", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compression-hs", type=int, nargs="+", default=[16, 64], help="compression: the Hs run end to end"
+    )
+    parser.add_argument(
+        "--workers-counts", type=int, nargs="+", default=[2, 8], help="workers: the numbers of workers"
+    )
+    parser.add_argument("--workers-hs", type=int, nargs="+", default=[16, 64], help="workers: the Hs")
+    parser.add_argument(
+        "--cost-compressions",
+        nargs="*",
+        default=[],
+        choices=COMPRESSIONS[1:],
+        help="cost: also Adasum every H with its deltas narrowed to these on the wire",
+    )
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(ROOT))
@@ -987,7 +1250,8 @@ def main() -> int:
     if args.smoke:
         args.hs, args.seeds, args.budget, args.rounds = [4], 2, 16, 1
         args.mwms_multipliers, args.outer_grid, args.rates = [1, 2], [(0.5, 0.0)], ["100mbit"]
-        args.adasum_outer_grid = args.outer_grid
+        args.adasum_outer_grid, args.compression_hs = args.outer_grid, [4]
+        args.workers_counts, args.workers_hs = [2], [4]
         args.out = args.out.with_name(args.out.name + "_smoke")
     for budget in {args.budget or BUDGET[w] for w in args.workloads}:
         uneven = [h for h in args.hs if budget % max(h, 8)]
@@ -998,10 +1262,14 @@ def main() -> int:
         accuracy_part(args)
     if "orthogonality" in args.parts:
         orthogonality_part(args)
+    if "workers" in args.parts:
+        workers_part(args)
     if "cost" in args.parts:
         cost_part(args)
     if "validate" in args.parts:
         validate_part(args)
+    if "compression" in args.parts:
+        compression_part(args)
     print(report(args))
     return 0
 
