@@ -298,24 +298,9 @@ def accuracy_part(args: argparse.Namespace) -> None:
         budget = args.budget or BUDGET[workload]
         base["budget"] = budget
 
-        def run_all(
-            settings: list[dict[str, Any]], target: float | None, data: tuple[np.ndarray, ...] = data
-        ) -> list[dict[str, Any]]:
-            done = {setting_key(r): r for r in _convergence().read_rows(path)}
-            rows = []
-            for s in settings:
-                if setting_key(s) in done:
-                    rows.append(done[setting_key(s)])
-                    continue
-                result = accuracy_run(data, s, target)
-                _convergence().append_row(path, FIELDS, result["row"])
-                with open(args.out / "curves.jsonl", "a") as f:
-                    f.write(json.dumps({**result["row"], "curve": result["curve"]}) + "\n")
-                print(json.dumps(result["row"]), flush=True)
-                rows.append(result["row"])
-            return rows
-
-        ones = run_all([{**base, "method": "one", "H": 1, "seed": s} for s in range(args.seeds)], None)
+        curves = args.out / "curves.jsonl"
+        ones = [{**base, "method": "one", "H": 1, "seed": s} for s in range(args.seeds)]
+        ones = run_settings(path, data, ones, None, curves=curves)
         target = math.floor(100 * float(np.mean([float(r["final_accuracy"]) for r in ones]))) / 100
         grid = [
             {**base, "method": "mwms", "H": 1, "seed": 0, "inner_lr": lr * m} for m in args.mwms_multipliers
@@ -331,7 +316,7 @@ def accuracy_part(args: argparse.Namespace) -> None:
                     for o, m in outer_grid
                     if not (method == "adasum_outer" and (o, m) == (1.0, 0.0))  # that is "adasum"
                 ]
-        rows = run_all(grid, target)
+        rows = run_settings(path, data, grid, target, curves=curves)
         best = best_settings([r for r in rows if r["workload"] == workload])
         seeds = []
         for row in best.values():
@@ -341,7 +326,7 @@ def accuracy_part(args: argparse.Namespace) -> None:
             setting |= {"H": int(row["H"]), "budget": budget}
             setting |= {k: float(setting[k]) for k in ("inner_lr", "outer_lr", "outer_momentum")}
             seeds += [{**setting, "seed": s} for s in range(1, args.seeds)]
-        run_all(seeds, target)
+        run_settings(path, data, seeds, target, curves=curves)
 
 
 def workers_part(args: argparse.Namespace) -> None:
@@ -373,30 +358,44 @@ def workers_part(args: argparse.Namespace) -> None:
                     for o, m in args.adasum_outer_grid
                     if (o, m) != (1.0, 0.0)
                 ]
-            best = best_settings(run_workers(path, data, grid, target))
+            best = best_settings(run_settings(path, data, grid, target, ("workers",)))
             seeds = []
             for row in best.values():
                 setting = {**base, "method": row["method"], "H": int(row["H"])}
                 setting |= {k: float(row[k]) for k in ("outer_lr", "outer_momentum")}
                 seeds += [{**setting, "seed": s} for s in range(1, args.seeds)]
-            run_workers(path, data, seeds, target)
+            run_settings(path, data, seeds, target, ("workers",))
 
 
-def run_workers(
-    path: Path, data: tuple[np.ndarray, ...], settings: list[dict[str, Any]], target: float
+def run_settings(
+    path: Path,
+    data: tuple[np.ndarray, ...],
+    settings: list[dict[str, Any]],
+    target: float | None,
+    extra_fields: tuple[str, ...] = (),
+    curves: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The workers part's runs of `settings` (each with its "workers"), those not in `path` yet appended:
-    every setting's row."""
-    fields = [*FIELDS, "workers"]
-    done = {(*setting_key(r), int(r["workers"])): r for r in _convergence().read_rows(path)}
+    """Every setting's row in the CSV `path`, in order: those already there read back (a run resumes),
+    the others run (accuracy_run) and appended, with their curves to `curves`. A row is keyed by
+    setting_key and the integer `extra_fields` (the workers part's "workers"), which it also holds."""
+    fields = [*FIELDS, *extra_fields]
+
+    def key(s: dict[str, Any]) -> tuple[Any, ...]:
+        return (*setting_key(s), *(int(s[f]) for f in extra_fields))
+
+    done = {key(r): r for r in _convergence().read_rows(path)}
     rows = []
     for s in settings:
-        key = (*setting_key(s), int(s["workers"]))
-        if key not in done:
-            done[key] = {**accuracy_run(data, s, target)["row"], "workers": s["workers"]}
-            _convergence().append_row(path, fields, done[key])
-            print(json.dumps(done[key]), flush=True)
-        rows.append(done[key])
+        if key(s) not in done:
+            result = accuracy_run(data, s, target)
+            row = {**result["row"], **{f: s[f] for f in extra_fields}}
+            _convergence().append_row(path, fields, row)
+            if curves is not None:
+                with open(curves, "a") as f:
+                    f.write(json.dumps({**row, "curve": result["curve"]}) + "\n")
+            print(json.dumps(row), flush=True)
+            done[key(s)] = row
+        rows.append(done[key(s)])
     return rows
 
 
