@@ -47,16 +47,20 @@ pytestmark = pytest.mark.alone
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["strategy", "callback", "loop", "keras2_horovod", "strategy_outer"])
+@pytest.mark.parametrize(
+    "mode", ["strategy", "callback", "loop", "keras2_horovod", "strategy_outer", "callback_outer"]
+)
 def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp_path: Path) -> None:
     """SIGKILL in rank 2's step: the survivors finish, equal on every rank, equal to a job that resumes
     from the same commits with the new membership, each with its own optimizer state. keras2_horovod is
-    Horovod's elastic tf.keras script under tf_keras (Keras 2); strategy_outer has windows of 2 steps and
-    an outer optimizer, whose state is committed and comes back the same on every process."""
+    Horovod's elastic tf.keras script under tf_keras (Keras 2); strategy_outer and callback_outer have
+    windows of 2 steps and an outer optimizer, whose state is committed and comes back the same on every
+    process."""
     keras_2 = {"TF_USE_LEGACY_KERAS": "1"} if mode.startswith("keras2") else {}
-    # The killed step is cut short, or ends before the kill: strategy_outer's group changes after an
-    # odd number of steps of windows of 2, between two syncs.
-    fault = "0:2:4:kill" if mode == "strategy_outer" else "0:2:3:kill"
+    # The killed step is cut short, or ends before the kill: with an outer optimizer the group changes
+    # after an odd number of steps of windows of 2, between two syncs.
+    outer = mode.endswith("_outer")
+    fault = "0:2:4:kill" if outer else "0:2:3:kill"
     code, log, _ = launch(tmp_path / "elastic", mode, 3, "--min-np", "2", env={"FAULT": fault, **keras_2})
     assert code == 0, tail(log)
     assert "rank 2 (w2@127.0.0.1) lost: killed by SIGKILL" in log, tail(log)
@@ -86,7 +90,7 @@ def test_a_worker_killed_mid_step_leaves_the_job_to_the_survivors(mode: str, tmp
     assert own[0] != own[1]
     for r in range(2):
         np.testing.assert_allclose(resumed[r]["optimizer"], own[r], rtol=1e-6)
-    if mode == "strategy_outer":  # the outer state: stepped before the loss, back the same everywhere
+    if outer:  # the outer state: stepped before the loss, back the same everywhere
         assert resumed[0]["batch"] % 2 == 1, resumed[0]  # mid-window
         before = read(tmp_path / "elastic", "resumed-group0", 3)[0]["outer"]
         assert resumed[0]["outer"] == resumed[1]["outer"] != before, (before, resumed[0]["outer"])

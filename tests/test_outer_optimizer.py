@@ -349,8 +349,8 @@ def test_the_callback_refuses_an_outer_optimizer_it_cannot_serve() -> None:
         wrapped.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[fresh])
     assert not hasattr(wrapped.optimizer, "tf_adasum_outer_optimizer")
     assert not fresh.outer_optimizer.built
-    # An elastic state refuses to commit it, in the order an elastic script runs: the state, then fit
-    # with Horovod's commit callback. Said, naming the outer optimizer, not lost.
+    # An elastic state not given it refuses to commit it, in the order an elastic script runs: the state,
+    # then fit with Horovod's commit callback. Said, naming the outer optimizer and the way out.
     from tf_adasum import elastic
 
     model = plain_model(lambda: make_inner("adam"))
@@ -358,12 +358,64 @@ def test_the_callback_refuses_an_outer_optimizer_it_cannot_serve() -> None:
     callback = tf_adasum.AdasumCallback(2, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
     commits = elastic.CommitStateCallback(state)
     name = callback.outer_optimizer.name
-    with pytest.raises(ValueError, match=rf"cannot commit AdasumCallback's outer optimizer '{name}' \(SGD\)"):
+    with pytest.raises(
+        ValueError, match=rf"cannot commit AdasumCallback's outer optimizer '{name}' \(SGD\) "
+    ):
         model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[callback, commits])
     # A later fit without an outer optimizer takes the stale one off.
     model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[tf_adasum.AdasumCallback()])
     assert not hasattr(model.optimizer, "tf_adasum_outer_optimizer")
     state.commit()
+
+
+def test_an_elastic_state_given_the_outer_optimizer_commits_and_restores_it() -> None:
+    """KerasState(outer_optimizer=) holds the callback's outer state from the start: a restore brings
+    it back with the weights; a callback stepping with another outer optimizer, or none, is refused at
+    the commit, and a commit with other parts at the restore."""
+    from tf_adasum import elastic
+
+    x, y, _, _ = problem()
+    model = plain_model(lambda: make_inner("adam"))
+    outer = Outer(*OUTERS["nesterov"]).keras()
+    state = elastic.KerasState(model, outer_optimizer=outer, epoch=0, batch=0)
+    assert outer.built and model.optimizer.tf_adasum_outer_optimizer is outer  # before any fit
+    callback = tf_adasum.AdasumCallback(2, outer_optimizer=outer)
+    commits = elastic.CommitStateCallback(state, batches_per_commit=2)
+    model.fit(x[:8], y[:8], batch_size=2, verbose=0, callbacks=[callback, commits])
+    assert int(outer.iterations.numpy()) == 2
+    committed = [v.numpy().copy() for v in outer.variables]
+    weights = model.get_weights()
+    model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[callback])  # not committed
+    assert int(outer.iterations.numpy()) == 3
+    state.restore()
+    for got, want in zip(outer.variables, committed, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # A commit without the outer state cannot be restored into a state with it, nor the other way.
+    bare = elastic.KerasState(plain_model(lambda: make_inner("adam")), epoch=0, batch=0)
+    with pytest.raises(
+        ValueError, match=r"holds the variables of \['model', 'optimizer', 'outer'\], the commit"
+    ):
+        state._apply(bare._snapshot())
+    with pytest.raises(
+        ValueError, match=r"holds the variables of \['model', 'optimizer'\], the commit those"
+    ):
+        bare._apply(state._committed[1])
+    # Another outer optimizer on the callback, or none: the commit says which the state holds.
+    other = tf_adasum.AdasumCallback(2, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
+    with pytest.raises(ValueError, match=rf"commits the outer optimizer '{outer.name}', and the model's"):
+        model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[other, commits])
+    with pytest.raises(ValueError, match=rf"commits the outer optimizer '{outer.name}', .* steps with none"):
+        model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[tf_adasum.AdasumCallback(2), commits])
+    # What a state cannot hang: a tf_keras optimizer, another object, a model under a strategy.
+    with pytest.raises(TypeError, match=r"outer_optimizer is the plain Keras optimizer .* got builtins\.int"):
+        elastic.KerasState(plain_model(lambda: make_inner("adam")), outer_optimizer=3)
+    strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
+    with strategy.scope():
+        under = plain_model(lambda: make_inner("adam"))
+    with pytest.raises(ValueError, match=r"under a strategy .* make the state without outer_optimizer"):
+        elastic.KerasState(under, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
 
 
 def test_bad_outer_optimizers_and_combines_are_refused() -> None:

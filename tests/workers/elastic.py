@@ -6,6 +6,8 @@ Modes:
     strategy_outer as strategy, with sync_every=2 and an outer optimizer (SGD with momentum): the
                    processes change between two syncs
     callback       a plain model.fit with AdasumCallback, each process its share
+    callback_outer as callback, with AdasumCallback(sync_every=2, outer_optimizer=...) and the same outer
+                   optimizer given to KerasState
     loop           a GradientTape loop: tf_adasum.tensorflow's DistributedOptimizer (Adasum) and
                    TensorFlowKerasState, a commit per batch
     keras2_horovod Horovod's elastic tf.keras script under tf_keras (the test sets TF_USE_LEGACY_KERAS=1):
@@ -223,10 +225,14 @@ def record(out: Path, state: elastic.State, name: str) -> None:
         "optimizer": [
             float(np.sum(np.abs(v.numpy()))) for v in tf_adasum._compat.optimizer_variables(state.optimizer)
         ],
-        # The outer optimizer's state (strategy_outer), which must be one and the same everywhere.
+        # The outer optimizer's state (strategy_outer, callback_outer): one and the same everywhere.
         "outer": [
             v.numpy().tolist()
-            for v in getattr(getattr(state.optimizer, "outer_optimizer", None), "variables", [])
+            for v in getattr(
+                getattr(state.optimizer, "outer_optimizer", None) or getattr(state, "outer_optimizer", None),
+                "variables",
+                [],
+            )
         ],
     }
     (out / f"{name}-rank{rank}.json").write_text(json.dumps(info))
@@ -268,8 +274,9 @@ def strategy_outer(out: Path) -> None:
     fit(out, model, x, y, GLOBAL_BATCH, [])
 
 
-def callback(out: Path) -> None:
-    """A plain model.fit with AdasumCallback: each process is given its share of every global batch."""
+def callback(out: Path, outer: Any = None) -> None:
+    """A plain model.fit with AdasumCallback: each process is given its share of every global batch.
+    With an outer optimizer, windows of 2 steps, and the elastic state is given it too."""
     comm = tf_adasum.init()
     prelude()
     x, y = data()
@@ -277,7 +284,15 @@ def callback(out: Path) -> None:
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     fit_x, fit_y = my_share(x, comm.rank, comm.size), my_share(y, comm.rank, comm.size)
     batch = len(fit_x) // (ROWS // GLOBAL_BATCH)
-    fit(out, model, fit_x, fit_y, batch, [tf_adasum.AdasumCallback()])
+    adasum = (
+        tf_adasum.AdasumCallback() if outer is None else tf_adasum.AdasumCallback(2, outer_optimizer=outer)
+    )
+    fit(out, model, fit_x, fit_y, batch, [adasum], outer=outer)
+
+
+def callback_outer(out: Path) -> None:
+    """callback with an outer optimizer (SGD with momentum)."""
+    callback(out, keras.optimizers.SGD(0.5, momentum=0.5))
 
 
 def keras2_horovod(out: Path) -> None:
@@ -296,9 +311,17 @@ def keras2_horovod(out: Path) -> None:
     fit(out, model, fit_x, fit_y, len(fit_x) // (ROWS // GLOBAL_BATCH), [])
 
 
-def fit(out: Path, model: keras.Model, fit_x: np.ndarray, fit_y: np.ndarray, batch: int, extra: list) -> None:
-    """The elastic fit both fit modes share: KerasState, Horovod's elastic callbacks, the faults."""
-    state = elastic.KerasState(model, epoch=0, batch=0)
+def fit(
+    out: Path,
+    model: keras.Model,
+    fit_x: np.ndarray,
+    fit_y: np.ndarray,
+    batch: int,
+    extra: list,
+    outer: Any = None,
+) -> None:
+    """The elastic fit the fit modes share: KerasState, Horovod's elastic callbacks, the faults."""
+    state = elastic.KerasState(model, outer_optimizer=outer, epoch=0, batch=0)
     kill_in_commit(state, lambda: state.batch - 1)
     if os.environ.get("RESET_LR"):  # Horovod's rule for an average, in a reset callback
         rule = float(os.environ["RESET_LR"])
@@ -414,6 +437,7 @@ def horovod_state(out: Path) -> None:
 
 MODES = {
     "strategy_outer": strategy_outer,
+    "callback_outer": callback_outer,
     "strategy": strategy,
     "callback": callback,
     "loop": loop,

@@ -41,6 +41,7 @@ import keras
 import tensorflow as tf
 
 from tf_adasum._compat.registry import hook_problem, mark, register, replaced, require, uses
+from tf_adasum.common.variables import tf_variable
 
 
 def _tf_optimizer() -> Any:
@@ -314,6 +315,35 @@ def attach_outer(optimizer: Any, outer: Any) -> None:
 def attached_outer(optimizer: Any) -> Any:
     """The outer optimizer AdasumCallback hung on `optimizer`, or None."""
     return getattr(optimizer, OUTER_ATTRIBUTE, None)
+
+
+def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
+    """Builds the Keras 3 optimizer `outer` on `variables`, a model's trainable variables, and hangs it on
+    the model's `optimizer` (the inner one of a LossScaleOptimizer), where checkpoints and elastic commits
+    find it. Builds `optimizer` too: Keras loads no state into an optimizer that has none yet. Both
+    eagerly, since Keras cannot build a stateful optimizer inside the train function. Refuses the model's
+    own optimizer, and an outer optimizer built on other variables (AdasumCallback's, KerasState's)."""
+    stepping = loss_scale_inner(optimizer)
+    if outer is stepping:
+        raise ValueError(
+            f"outer_optimizer is the model's optimizer {stepping.name!r}: the outer step needs an "
+            "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
+            "nesterov=True), ...)"
+        )
+    if outer.built:
+        own = [tf_variable(v) for v in trainable_variables_of(outer)]
+        if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
+            raise ValueError(
+                f"outer_optimizer {outer.name!r} was built on {len(own)} other variables "
+                f"({', '.join(v.name for v in own[:3])}, ...), not this model's {len(variables)} "
+                f"({', '.join(v.name for v in variables[:3])}, ...): give each model, and each set of "
+                "trainable variables, an outer optimizer of its own"
+            )
+    with tf.init_scope():
+        for built in (optimizer, outer):
+            if not built.built:
+                built.build(variables)
+    attach_outer(stepping, outer)
 
 
 # --- _iterations -------------------------------------------------------------------------------------

@@ -150,30 +150,10 @@ class AdasumCallback(CountsBatches):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or not model.weights or _compat.keras_2_name(model) is not None:
             return
-        stepping = _compat.loss_scale_inner(optimizer)
         if outer is None:
-            _compat.attach_outer(stepping, None)
+            _compat.attach_outer(_compat.loss_scale_inner(optimizer), None)
             return
-        if outer is stepping:
-            raise ValueError(
-                f"outer_optimizer is the model's optimizer {stepping.name!r}: the outer step needs an "
-                "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
-                "nesterov=True), ...)"
-            )
-        variables = list(model.trainable_variables)
-        if outer.built:
-            own = [tf_variable(v) for v in _compat.trainable_variables_of(outer)]
-            if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
-                raise ValueError(
-                    f"outer_optimizer {outer.name!r} was built on {len(own)} other variables "
-                    f"({', '.join(v.name for v in own[:3])}, ...), not this model's {len(variables)} "
-                    f"({', '.join(v.name for v in variables[:3])}, ...): give each model, and each set of "
-                    "trainable variables, an outer optimizer of its own"
-                )
-        with tf.init_scope():
-            _compat.build_optimizer(optimizer, variables)
-            _compat.build_optimizer(outer, variables)
-        _compat.attach_outer(stepping, outer)
+        _compat.hang_outer(optimizer, outer, list(model.trainable_variables))
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)

@@ -61,8 +61,17 @@ class TensorFlowState(ObjectState):
         return snapshot
 
     def _apply(self, snapshot: Any) -> None:
+        own = self._own_variables()
+        # A commit of a state with other parts (an outer optimizer's) would lose one or leave it unset.
+        theirs, mine = sorted(set(snapshot) - {"objects"}), sorted(key for key, _ in own)
+        if theirs != mine:
+            raise ValueError(
+                f"elastic state: this state holds the variables of {mine}, the commit those of {theirs}: "
+                "resume a commit with a state made as the one that wrote it (an outer optimizer given "
+                "to both, or to neither)"
+            )
         super()._apply(snapshot)
-        for key, variables in self._own_variables():
+        for key, variables in own:
             _assign(variables, snapshot[key], key)
 
     def _take_roots(self, root: int, need: list[bool]) -> None:
@@ -92,32 +101,85 @@ def _model_and_optimizer_built(model: keras.Model, optimizer: Any) -> None:
             _compat.build_optimizer(optimizer, model.trainable_variables)  # Keras 3's or tf_keras's
 
 
+def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
+    """KerasState's `outer_optimizer`, built on the model's trainable variables and hung on its optimizer
+    as AdasumCallback hangs it; None for none."""
+    if outer is None:
+        return None
+    _compat.require_keras_3(outer, "outer_optimizer")
+    if optimizer is None or _compat.keras_2_name(model) is not None:
+        raise ValueError(
+            "elastic state: an outer_optimizer steps a Keras 3 model's AdasumCallback, and this model "
+            f"({type(model).__name__}) has {'no optimizer' if optimizer is None else 'tf_keras (Keras 2)'}"
+        )
+    if not isinstance(outer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "elastic state: outer_optimizer is the plain Keras optimizer given to AdasumCallback(outer_"
+            f"optimizer=...), got {type(outer).__module__}.{type(outer).__name__}"
+        )
+    if getattr(_compat.loss_scale_inner(optimizer), "outer_optimizer", None) is not None or (
+        model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()
+    ):
+        raise ValueError(
+            "elastic state: under a strategy (AdasumStrategy(outer_optimizer=...)) or with an "
+            "AdasumOptimizer(outer_optimizer=...), the model's optimizer carries the outer state in every "
+            "commit: make the state without outer_optimizer"
+        )
+    _compat.hang_outer(optimizer, outer, list(model.trainable_variables))
+    return outer
+
+
 class TensorFlowKerasState(TensorFlowState):
     """A Keras model, its optimizer (every replica's state), and Python attributes (Horovod's
     TensorFlowKerasState; KerasState is the same). An optimizer not built yet is built here, so that
     every process has state to commit. A tf_keras (Keras 2) model and optimizer are served alike: one
-    process per worker, as the Horovod face serves them."""
+    process per worker, as the Horovod face serves them.
 
-    def __init__(self, model: keras.Model, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+    `outer_optimizer` is the outer optimizer of an `AdasumCallback(sync_every=..., outer_optimizer=...)`
+    the fits of the job use, the same object: the state builds it and hangs it on the model's optimizer
+    at once, so that every process, a new one too, commits and takes its state from the first sync. (An
+    `AdasumStrategy`'s optimizer carries its own outer optimizer, with no keyword here.)
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        optimizer: Any = None,
+        backend: Any = None,
+        outer_optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self.model = model
         _model_and_optimizer_built(model, None)
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         _model_and_optimizer_built(model, self.optimizer)
+        self.outer_optimizer = _hung_outer(model, self.optimizer, outer_optimizer)
         super().__init__(variables=[], **kwargs)
 
     def _own_variables(self) -> list[tuple[str, list[Any]]]:
-        # An outer optimizer AdasumCallback hung on the optimizer: it is attached only once fit starts,
-        # after a new process has taken root's state, so no commit can hold it.
-        outer = _compat.attached_outer(_compat.loss_scale_inner(self.optimizer))
-        if outer is not None:
-            raise ValueError(
-                f"an elastic state cannot commit AdasumCallback's outer optimizer {outer.name!r} "
-                f"({type(outer).__name__}): use tf_adasum.AdasumStrategy(sync_every=..., "
-                "outer_optimizer=...) in an elastic job, whose optimizer carries the outer state in every "
-                "commit"
-            )
         optimizer = _compat.optimizer_variables(self.optimizer) if self.optimizer is not None else []
-        return [("model", list(self.model.variables)), ("optimizer", optimizer)]
+        own = [("model", list(self.model.variables)), ("optimizer", optimizer)]
+        outer = self.outer_optimizer
+        stepping = _compat.loss_scale_inner(self.optimizer)
+        attached: Any = _compat.attached_outer(stepping) if stepping is not None else None
+        if attached is not outer:
+            # AdasumCallback hangs its outer optimizer on the model's optimizer only once fit starts,
+            # after a new process has taken root's state: the state must hold it from the start.
+            if outer is None:
+                raise ValueError(
+                    f"an elastic state cannot commit AdasumCallback's outer optimizer {attached.name!r} "
+                    f"({type(attached).__name__}) that it was not given: make the state with it, "
+                    "elastic.KerasState(model, outer_optimizer=outer, ...), the same optimizer as "
+                    "AdasumCallback(outer_optimizer=outer)'s"
+                )
+            stepped = "none" if attached is None else f"{attached.name!r}"
+            raise ValueError(
+                f"elastic state: it commits the outer optimizer {outer.name!r}, and the model's optimizer "
+                f"steps with {stepped}: give AdasumCallback(outer_optimizer=...) the state's own"
+            )
+        if outer is not None:
+            own.append(("outer", _compat.optimizer_variables(outer)))
+        return own
 
     def _sync(self, reset: bool) -> None:
         super()._sync(reset)
