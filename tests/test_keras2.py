@@ -33,6 +33,8 @@ from tests.support.training import (
     EPSILON,
     LR,
     MOMENTUM,
+    OUTERS,
+    Outer,
     accumulated_adam,
     cpus,
     problem,
@@ -249,21 +251,102 @@ def test_adasum_callback_refuses_what_tf_keras_cannot_sync_exactly(name: str) ->
     _unchanged(model, before)
 
 
-def test_adasum_callback_refuses_an_outer_optimizer_mean_and_compression_for_a_tf_keras_model() -> None:
+@pytest.mark.parametrize("legacy", [False, True], ids=["optimizer", "legacy-optimizer"])
+@pytest.mark.parametrize(("outer", "sync_every"), [("nesterov", 4), ("adam", 2)])
+def test_adasum_callback_steps_a_tf_keras_outer_optimizer_as_numpy(
+    outer: str, sync_every: int, legacy: bool, tmp_path: Path
+) -> None:
+    """In one process, where the combination of one delta is that delta: each sync's tf_keras outer step
+    from the window's first weights is numpy's. The outer optimizer lives on the model's optimizer, so a
+    checkpoint holds it and brings it back."""
+    x, y, w, b = problem()
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    model.set_weights([w, b])
+    model.compile(tf_keras.optimizers.SGD(LR, momentum=MOMENTUM), "mse")
+    kind, lr, momentum = OUTERS[outer]
+    module = tf_keras.optimizers.legacy if legacy else tf_keras.optimizers
+    made = (
+        module.Adam(lr, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+        if kind == "adam"
+        else module.SGD(lr, momentum=momentum, nesterov=kind == "nesterov")
+    )
+    callback = tf_adasum.AdasumCallback(sync_every, outer_optimizer=made)
+    steps = 8
+    model.fit(x[: 2 * steps], y[: 2 * steps], batch_size=2, shuffle=False, verbose=0, callbacks=[callback])
+    want = simulate("sgd_momentum", 1, sync_every, steps, 2, outer=Outer(kind, lr, momentum))
+    for got, expected in zip(model.get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    plain = simulate("sgd_momentum", 1, sync_every, steps, 2)
+    assert not np.allclose(want[0], plain[0], atol=1e-3)  # the outer step shows in the result
+    assert int(made.iterations.numpy()) == steps // sync_every
+    assert model.optimizer.tf_adasum_outer_optimizer is made
+    # tf_keras's checkpoint of the model holds the outer state, and restores it.
+    saved = [v.numpy().copy() for v in _compat.optimizer_variables(made)]
+    checkpoint = tf.train.Checkpoint(model=model)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    model.fit(x[:4], y[:4], batch_size=2, shuffle=False, verbose=0, callbacks=[callback])
+    assert int(made.iterations.numpy()) == steps // sync_every + (2 // sync_every)
+    checkpoint.restore(path)
+    for got, expected in zip(_compat.optimizer_variables(made), saved, strict=True):
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_the_callback_takes_mean_and_compression_for_tf_keras_and_refuses_a_keras_3_outer() -> None:
+    """In one process the mean of one delta is that delta, and nothing goes on the wire to narrow: both
+    runs equal the plain one, bitwise (across processes: test_tf_keras_scripts_with_the_import_changed_
+    equal_numpy). A Keras 3 outer optimizer for a tf_keras model is refused, naming both, before any
+    step."""
     x, y = _data()
+    start = _model().get_weights()
+    runs = {}
+    for combine, compression in (("adasum", "none"), ("mean", "none"), ("mean", "bf16")):
+        model = _model()
+        model.set_weights(start)
+        model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+        callback = tf_adasum.AdasumCallback(2, combine=combine, compression=compression)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+        runs[combine, compression] = model.get_weights()
+    for other in (runs["mean", "none"], runs["mean", "bf16"]):
+        for a, b in zip(runs["adasum", "none"], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+
     model = _model()
     model.compile(tf_keras.optimizers.SGD(0.1), "mse")
     before = model.get_weights()
-    callback = tf_adasum.AdasumCallback(
-        2, outer_optimizer=keras.optimizers.SGD(0.5), combine="mean", compression="bf16"
-    )
+    callback = tf_adasum.AdasumCallback(2, outer_optimizer=keras.optimizers.SGD(0.5))
     message = (
-        r"on a tf_keras \(Keras 2\) model takes no outer_optimizer, combine='mean', "
-        r"compression='bf16': build the model with Keras 3"
+        r"is a Keras 3 optimizer, and the model is a tf_keras \(Keras 2\) model: give it "
+        r".*\(tf\.keras\.optimizers"
     )
     with pytest.raises(ValueError, match=message):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
     _unchanged(model, before)
+
+
+def test_an_elastic_state_commits_and_restores_a_tf_keras_outer_optimizer() -> None:
+    """KerasState(outer_optimizer=) of a tf_keras model: the callback's tf_keras outer state is in every
+    commit and comes back with a restore; a Keras 3 outer optimizer is refused, naming the Keras."""
+    from tf_adasum import elastic
+
+    x, y = _data()
+    model = _model()
+    outer = tf_keras.optimizers.SGD(0.5, momentum=0.5)
+    state = elastic.KerasState(model, outer_optimizer=outer, epoch=0, batch=0)
+    callback = tf_adasum.AdasumCallback(2, outer_optimizer=outer)
+    commits = elastic.CommitStateCallback(state, batches_per_commit=4)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[callback, commits])
+    assert int(outer.iterations.numpy()) == 2  # 4 batches, a sync every 2
+    committed = [v.numpy().copy() for v in _compat.optimizer_variables(outer)]
+    weights = model.get_weights()
+    model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0, callbacks=[callback])
+    assert int(outer.iterations.numpy()) == 3
+    state.restore()
+    for got, want in zip(_compat.optimizer_variables(outer), committed, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want in zip(model.get_weights(), weights, strict=True):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"a tf_keras \(Keras 2\) optimizer as the model is a tf_keras"):
+        elastic.KerasState(_model(), outer_optimizer=keras.optimizers.SGD(0.5))
 
 
 def test_adasum_callback_compiles_a_tf_keras_step_without_xla() -> None:
@@ -722,7 +805,8 @@ def test_tf_keras_scripts_with_the_import_changed_equal_numpy(launcher: str, tmp
     # One Keras a launch: a process's `tf.keras` is one Keras for good.
     keras_2 = (
         "keras2,keras2_fit_adasum,keras2_fit_average,keras2_fit_adasum_k2,keras2_fit_average_k2,"
-        "keras2_callback_1,keras2_callback_2,"
+        "keras2_callback_1,keras2_callback_2,keras2_callback_outer_2,keras2_callback_mean_2,"
+        "keras2_callback_bf16_2,"
         "keras2_strategy_sgd_1,keras2_strategy_adam_2"
     )
     for chained, legacy in ((keras_2, "1"), ("keras3", "0")):

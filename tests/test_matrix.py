@@ -47,7 +47,7 @@ MATRIX = os.environ.get(
     "TF_ADASUM_MATRIX", "2.16.2 2.17.1 2.18.1 2.19.1 2.20.0 2.21.0 2.20.0:3.10.0 2.21.0:3.12.0"
 ).split()
 # The tf_keras scripts each entry runs on 2 processes (tests/workers/keras2.py's modes).
-KERAS_2 = ["keras2_fit_adasum", "keras2_callback_2", "keras2_strategy_sgd_1"]
+KERAS_2 = ["keras2_fit_adasum", "keras2_callback_2", "keras2_callback_outer_2", "keras2_strategy_sgd_1"]
 # What a compiler needs to run; hidden behind empty folders in the test's mount namespace.
 COMPILER_PARTS = [
     "/usr/lib/gcc",
@@ -230,7 +230,8 @@ def test_the_wheel_serves_this_release_where_no_compiler_can_be_reached(
     )
 
     # A tf.keras script of each way in, on this release's tf_keras, on 2 processes: Horovod's
-    # DistributedOptimizer(op=Adasum) with its callbacks, AdasumCallback every 2 steps, AdasumStrategy.
+    # DistributedOptimizer(op=Adasum) with its callbacks, AdasumCallback every 2 steps (and with a tf_keras
+    # outer optimizer), AdasumStrategy.
     out = tmp_path / "keras2"
     out.mkdir()
     job = _two_processes(python, "tests.workers.keras2", out, ",".join(KERAS_2))

@@ -15,6 +15,9 @@ without it, and each mode checks which Keras `tf.keras` is.
     keras2_strategy_adam_2  every step; Adam, every 2 steps), every process given the global batches
     keras2_callback_1    the same script with the plain optimizer and AdasumCallback(sync_every=1 or 2)
     keras2_callback_2    instead of DistributedOptimizer and the broadcast
+    keras2_callback_outer_2  AdasumCallback(sync_every=2) with a tf_keras outer optimizer (SGD, Nesterov)
+    keras2_callback_mean_2   AdasumCallback(sync_every=2, combine="mean")
+    keras2_callback_bf16_2   AdasumCallback(sync_every=2, compression="bf16")
 
 Each mode writes its rank's data, start and final weights (and fit's history) to OUT/{MODE}{rank}.npz;
 the test checks them against numpy.
@@ -33,7 +36,7 @@ import tensorflow as tf
 import tf_adasum
 import tf_adasum.keras as hvd
 import tf_adasum.tensorflow as hvd_tf
-from tests.support.training import BETA_1, BETA_2, EPSILON, LR, MOMENTUM, problem
+from tests.support.training import BETA_1, BETA_2, EPSILON, LR, MOMENTUM, OUTERS, problem
 from tests.workers.dispatch import main
 
 STEPS = 3
@@ -85,9 +88,19 @@ def custom_loop(out: Path, mode: str) -> None:
     print(f"rank {rank}: {tf.keras.__name__} custom loop done", flush=True)
 
 
-def fit(out: Path, mode: str, op: object = None, sync_every: int = 0, passes: int = 1) -> None:
+def fit(
+    out: Path,
+    mode: str,
+    op: object = None,
+    sync_every: int = 0,
+    passes: int = 1,
+    outer: bool = False,
+    combine: str = "adasum",
+    compression: str = "none",
+) -> None:
     """Horovod's script with DistributedOptimizer(op, backward_passes_per_step=passes) or, with
-    sync_every, the plain optimizer and AdasumCallback(sync_every) (tf_adasum's own one line)."""
+    sync_every, the plain optimizer and AdasumCallback(sync_every) (tf_adasum's own one line), with
+    `combine` and `compression`, and with `outer`, OUTERS["nesterov"]'s outer optimizer, tf_keras's own."""
     _check_keras(mode)
     hvd.init()
     rank = hvd.rank()
@@ -96,7 +109,13 @@ def fit(out: Path, mode: str, op: object = None, sync_every: int = 0, passes: in
     optimizer = tf.keras.optimizers.SGD(LR, momentum=MOMENTUM)
     if sync_every:
         model.compile(optimizer, "mse")
-        callbacks = [tf_adasum.AdasumCallback(sync_every=sync_every)]
+        _, lr, momentum = OUTERS["nesterov"]
+        made = tf.keras.optimizers.SGD(lr, momentum=momentum, nesterov=True) if outer else None
+        callbacks = [
+            tf_adasum.AdasumCallback(
+                sync_every, outer_optimizer=made, combine=combine, compression=compression
+            )
+        ]
     else:
         model.compile(hvd.DistributedOptimizer(optimizer, op=op, backward_passes_per_step=passes), "mse")
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
@@ -147,6 +166,11 @@ MODES = {
     "keras2_strategy_adam_2": lambda out: strategy(out, "keras2_strategy_adam_2", "adam", 2),
     "keras2_callback_1": lambda out: fit(out, "keras2_callback_1", sync_every=1),
     "keras2_callback_2": lambda out: fit(out, "keras2_callback_2", sync_every=2),
+    "keras2_callback_outer_2": lambda out: fit(out, "keras2_callback_outer_2", sync_every=2, outer=True),
+    "keras2_callback_mean_2": lambda out: fit(out, "keras2_callback_mean_2", sync_every=2, combine="mean"),
+    "keras2_callback_bf16_2": lambda out: fit(
+        out, "keras2_callback_bf16_2", sync_every=2, compression="bf16"
+    ),
 }
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from tf_adasum._compat.distribute import (
 )
 from tf_adasum._compat.keras2 import (
     Keras2CallbackProtocol,
-    build_optimizer,
     install_keras_2_gradient_sum_guard,
     install_keras_2_mixing_guard,
     install_keras_2_step_route,
@@ -66,6 +65,7 @@ from tf_adasum._compat.optimizers import (
     applies,
     attach_outer,
     attached_outer,
+    build_optimizer,
     disable_gradient_sum,
     hang_outer,
     install_global_loss_scale_finiteness,

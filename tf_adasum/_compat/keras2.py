@@ -18,7 +18,7 @@ would fail deep inside Keras with an error that says nothing (a missing private 
 - the callbacks that serve tf_keras models (the Horovod face's broadcast, metric average and learning
   rate) answer tf_keras's CallbackList, which asks each callback which batch hooks it implements
   (Keras2CallbackProtocol), and a tf_keras optimizer's state is built before it is broadcast
-  (build_optimizer).
+  (optimizers.build_optimizer).
 """
 
 from __future__ import annotations
@@ -197,18 +197,6 @@ def _check_callback_protocol() -> str | None:
             "CallbackList asks callbacks something else now"
         )
     return None
-
-
-def build_optimizer(optimizer: Any, variables: Any) -> None:
-    """Creates `optimizer`'s state for `variables` where it has none yet: a Keras 3 optimizer, a tf_keras
-    one, or tf_keras's legacy OptimizerV2 (whose slots are created per variable, idempotently)."""
-    if keras_2_name(optimizer) is None:
-        if not optimizer.built:
-            optimizer.build(variables)
-    elif hasattr(optimizer, "_create_all_weights"):
-        optimizer._create_all_weights(variables)
-    elif not getattr(optimizer, "_built", False):
-        optimizer.build(variables)
 
 
 def optimizer_variables(optimizer: Any) -> list[Any]:

@@ -317,12 +317,25 @@ def attached_outer(optimizer: Any) -> Any:
     return getattr(optimizer, OUTER_ATTRIBUTE, None)
 
 
+def build_optimizer(optimizer: Any, variables: Any) -> None:
+    """Creates `optimizer`'s state for `variables` where it has none yet: a Keras 3 optimizer, a tf_keras
+    one, or tf_keras's legacy OptimizerV2 (whose slots are created per variable, idempotently)."""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        if not optimizer.built:
+            optimizer.build(variables)
+    elif hasattr(optimizer, "_create_all_weights"):
+        optimizer._create_all_weights(variables)
+    elif not getattr(optimizer, "_built", False):
+        optimizer.build(variables)
+
+
 def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
-    """Builds the Keras 3 optimizer `outer` on `variables`, a model's trainable variables, and hangs it on
-    the model's `optimizer` (the inner one of a LossScaleOptimizer), where checkpoints and elastic commits
-    find it. Builds `optimizer` too: Keras loads no state into an optimizer that has none yet. Both
-    eagerly, since Keras cannot build a stateful optimizer inside the train function. Refuses the model's
-    own optimizer, and an outer optimizer built on other variables (AdasumCallback's, KerasState's)."""
+    """Builds the optimizer `outer` (of the model's Keras) on `variables`, a model's trainable variables,
+    and hangs it on the model's `optimizer` (the inner one of a Keras 3 LossScaleOptimizer), where
+    checkpoints and elastic commits find it. Builds `optimizer` too: Keras loads no state into an
+    optimizer that has none yet. Both eagerly, since Keras cannot build a stateful optimizer inside the
+    train function. Refuses the model's own optimizer, and a Keras 3 outer optimizer built on other
+    variables (AdasumCallback's, KerasState's)."""
     stepping = loss_scale_inner(optimizer)
     if outer is stepping:
         raise ValueError(
@@ -330,7 +343,7 @@ def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
             "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
             "nesterov=True), ...)"
         )
-    if outer.built:
+    if isinstance(outer, keras.optimizers.Optimizer) and outer.built:
         own = [tf_variable(v) for v in trainable_variables_of(outer)]
         if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
             raise ValueError(
@@ -340,9 +353,8 @@ def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
                 "trainable variables, an outer optimizer of its own"
             )
     with tf.init_scope():
-        for built in (optimizer, outer):
-            if not built.built:
-                built.build(variables)
+        build_optimizer(optimizer, variables)
+        build_optimizer(outer, variables)
     attach_outer(stepping, outer)
 
 

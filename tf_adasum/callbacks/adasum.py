@@ -47,8 +47,9 @@ class AdasumCallback(CountsBatches):
     a tf_adasum.AdasumOptimizer: a plain one is refused at the first step.
 
     A tf_keras (Keras 2) model is served alike: its optimizer's apply_gradients carries the sync during
-    fit. There a LossScaleOptimizer and use_ema are refused (training/keras2_sync.py says why), and so are
-    an outer optimizer, combine="mean" and compression.
+    fit, with an outer optimizer of tf_keras's own (`tf.keras.optimizers.SGD(...)`), combine="mean" and
+    compression alike. There a LossScaleOptimizer and use_ema are refused (training/keras2_sync.py says
+    why).
 
     With an `outer_optimizer`, each sync puts the weights back where the window began and the outer
     optimizer steps them on the combined deltas, negated (local SGD with an outer optimizer:
@@ -70,19 +71,19 @@ class AdasumCallback(CountsBatches):
         sync_every: optimizer steps between two Adasum combinations.
         root: the rank whose weights and optimizer state every process starts from.
         outer_optimizer: None (each sync adds the combined deltas to the weights), or a Keras optimizer
-            (or its name) that each sync steps from the window's first weights on the pseudo-gradient
-            `-combined`.
+            (or its name) of the model's Keras that each sync steps from the window's first weights on the
+            pseudo-gradient `-combined`.
         combine: how a sync combines the processes' deltas: "adasum" (the contract tree), or "mean"
             (their average: DiLoCo as published, to compare with).
         compression: "none", or "fp16" ("bf16") to send float32/float64 deltas as float16 (bfloat16).
 
     Raises:
-        TypeError: an outer_optimizer that is not a plain Keras 3 optimizer.
+        TypeError: an outer_optimizer that is not a plain Keras optimizer.
         ValueError: bad arguments, a model compiled under a tf.distribute strategy (use
             AdasumStrategy), an optimizer that already combines across processes, use_ema with
             sync_every > 1, a second plain optimizer in the train step, the model's own optimizer or
-            one built on other variables as the outer optimizer; under tf_keras, mixed precision,
-            use_ema, an outer optimizer, combine="mean" or compression.
+            one built on other variables or of the other Keras as the outer optimizer; under tf_keras,
+            mixed precision and use_ema.
         UnevenDataError: the processes would run different numbers of batches.
         NonFiniteUpdateError: some process's update holds NaN or Inf (every process raises it).
         PeerError: a process died or stopped answering.
@@ -109,7 +110,7 @@ class AdasumCallback(CountsBatches):
             raise ValueError(f"root must be a rank (a non-negative integer), got {root!r}")
         self.sync_every = sync_every
         self.root = root
-        self.outer_optimizer = model_sync.check_outer_optimizer(outer_optimizer)
+        self.outer_optimizer = model_sync.check_outer_optimizer(outer_optimizer, keras_2=True)
         self.combine = model_sync.check_combine(combine)
         self.compression = check_compression(compression)
         self._optimizer: keras.optimizers.Optimizer | None = None
@@ -148,11 +149,19 @@ class AdasumCallback(CountsBatches):
         Input gets them in fit's first trace, after on_train_begin has refused it)."""
         outer, model = self.outer_optimizer, self.model
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is None or not model.weights or _compat.keras_2_name(model) is not None:
+        if optimizer is None or not model.weights:
             return
+        keras_2 = _compat.keras_2_name(model) is not None
         if outer is None:
-            _compat.attach_outer(_compat.loss_scale_inner(optimizer), None)
+            _compat.attach_outer(optimizer if keras_2 else _compat.loss_scale_inner(optimizer), None)
             return
+        if keras_2 != (_compat.keras_2_name(outer) is not None):
+            kinds = ("a Keras 3", "a tf_keras (Keras 2)")
+            raise ValueError(
+                f"outer_optimizer {outer.name!r} is {kinds[not keras_2]} optimizer, and the model is "
+                f"{kinds[keras_2]} model: give it an outer optimizer of its own Keras ("
+                f"{'tf.keras' if keras_2 else 'keras'}.optimizers.SGD(0.5, momentum=0.5, nesterov=True), ...)"
+            )
         _compat.hang_outer(optimizer, outer, list(model.trainable_variables))
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -166,7 +175,6 @@ class AdasumCallback(CountsBatches):
         if keras_2:
             keras2_sync.end_sync(stepping)  # left by a fit that raised before on_train_end
             keras2_sync.check_keras_2_optimizer(model, stepping)
-            self._refuse_what_keras_2_cannot_take()
         elif model_sync.extended_by_callback(stepping):
             del stepping.apply  # left by a fit that raised before on_train_end could restore it
         distributed.init()
@@ -198,7 +206,8 @@ class AdasumCallback(CountsBatches):
         self._optimizer = stepping
         self._started = False
         if keras_2:  # tf_keras: its apply_gradients, with no options to honour (use_ema was refused)
-            keras2_sync.extend_with_sync(stepping, variables, self._anchors, every, lasts)
+            sync = (self.compression, self.outer_optimizer, self.combine)
+            keras2_sync.extend_with_sync(stepping, variables, (self._anchors, lasts), every, sync)
             retrace_with(model)
             return
         # The sync extends the optimizer that steps, so that a step mixed precision skips for overflow
@@ -225,19 +234,6 @@ class AdasumCallback(CountsBatches):
         stepping.apply = apply_then_sync
         retrace_with(model)  # a train function traced before (an earlier fit) would not sync
 
-    def _refuse_what_keras_2_cannot_take(self) -> None:
-        asked = {
-            "outer_optimizer": self.outer_optimizer is not None,
-            "combine='mean'": self.combine != "adasum",
-            f"compression={self.compression!r}": self.compression != "none",
-        }
-        if any(asked.values()):
-            raise ValueError(
-                f"AdasumCallback on a tf_keras (Keras 2) model takes no "
-                f"{', '.join(k for k, v in asked.items() if v)}: build the model with Keras 3 (keras.*) "
-                "for them, or leave them out"
-            )
-
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if not self._started:
             # After every on_train_begin, so that a state BackupAndRestore brought back is what counts.
@@ -245,7 +241,7 @@ class AdasumCallback(CountsBatches):
             if self.outer_optimizer is not None:
                 # One outer state for the job, root's: a resume where root alone loaded it (Horovod's)
                 # must not leave the others stepping from zeros.
-                broadcast_variables(self.outer_optimizer.variables, self.root)
+                broadcast_variables(_compat.optimizer_variables(self.outer_optimizer), self.root)
             # This fit's first step opens a window, whatever the iteration count says.
             for anchor, variable in zip(self._anchors, self.model.trainable_variables, strict=True):
                 anchor.assign(tf_variable(variable))

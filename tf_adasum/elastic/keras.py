@@ -106,13 +106,16 @@ def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
     as AdasumCallback hangs it; None for none."""
     if outer is None:
         return None
-    _compat.require_keras_3(outer, "outer_optimizer")
-    if optimizer is None or _compat.keras_2_name(model) is not None:
+    keras_2 = _compat.keras_2_name(model) is not None
+    if optimizer is None or keras_2 != (_compat.keras_2_name(outer) is not None):
+        kinds = ("a Keras 3", "a tf_keras (Keras 2)")
         raise ValueError(
-            "elastic state: an outer_optimizer steps a Keras 3 model's AdasumCallback, and this model "
-            f"({type(model).__name__}) has {'no optimizer' if optimizer is None else 'tf_keras (Keras 2)'}"
+            f"elastic state: outer_optimizer is the outer optimizer of the model's AdasumCallback, "
+            f"{kinds[keras_2]} optimizer as the model is {kinds[keras_2]} model, got "
+            f"{type(outer).__module__}.{type(outer).__name__}"
+            + (" (the model has no optimizer)" if optimizer is None else "")
         )
-    if not isinstance(outer, keras.optimizers.Optimizer):
+    if not keras_2 and not isinstance(outer, keras.optimizers.Optimizer):
         raise TypeError(
             "elastic state: outer_optimizer is the plain Keras optimizer given to AdasumCallback(outer_"
             f"optimizer=...), got {type(outer).__module__}.{type(outer).__name__}"

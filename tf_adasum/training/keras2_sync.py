@@ -57,14 +57,19 @@ def check_keras_2_optimizer(model: Any, optimizer: Any) -> None:
 
 
 def extend_with_sync(
-    optimizer: Any, variables: list[Any], anchors: list[Any], sync_every: int, lasts: list[Any] | None
+    optimizer: Any,
+    variables: list[Any],
+    window: tuple[list[Any], list[Any] | None],
+    sync_every: int,
+    sync: tuple[str, Any, str] = ("none", None, "adasum"),
 ) -> None:
-    """Extends this tf_keras optimizer's apply_gradients with the sync, until end_sync."""
+    """Extends this tf_keras optimizer's apply_gradients with the sync, until end_sync: the window's
+    (anchors, lasts), and the sync's (compression, outer optimizer, combine)."""
     original = getattr(optimizer, _APPLY)
 
     def apply_then_sync(grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         step = lambda: original(grads_and_vars, *args, **kwargs)  # noqa: E731
-        return step_in_window(optimizer, step, variables, (anchors, lasts), sync_every)
+        return step_in_window(optimizer, step, variables, window, sync_every, *sync)
 
     setattr(apply_then_sync, model_sync.SYNCS, True)
     setattr(optimizer, _APPLY, apply_then_sync)
@@ -77,17 +82,21 @@ def step_in_window(
     window: tuple[list[Any], list[Any] | None],
     sync_every: int,
     compression: str = "none",
+    outer: Any = None,
+    combine: str = "adasum",
 ) -> Any:
     """The optimizer's `step`, in a window of sync_every local steps (without a strategy): the window's
-    anchors taken before it (model_sync.start_window), the sync after it when due, the weights it left
-    recorded. Returns what the step returned."""
+    anchors taken before it (model_sync.start_window), the sync after it when due (with `outer`, the
+    outer optimizer's step), the weights it left recorded. Returns what the step returned."""
     anchors, lasts = window
     before = tf.identity(optimizer.iterations)
     model_sync.start_window(variables, anchors, before, sync_every, lasts)
     result = step()
     stats = model_sync.sync_stats(optimizer)  # an OrthogonalityMonitor's, if one asked
     distribution = tf.distribute.get_strategy()
-    model_sync.sync_if_due(distribution, variables, anchors, before + 1, sync_every, compression, stats)
+    model_sync.sync_if_due(
+        distribution, variables, anchors, before + 1, sync_every, compression, stats, outer, combine
+    )
     model_sync.record_lasts(variables, lasts)
     return result
 

@@ -62,15 +62,24 @@ def check_combine(combine: Any) -> str:
     return str(combine)
 
 
-def check_outer_optimizer(outer: Any) -> Any:
+def check_outer_optimizer(outer: Any, keras_2: bool = False) -> Any:
     """None, or a Keras 3 optimizer to step the combined deltas with (a name or a config, as
-    keras.optimizers.get takes them, is made into one). Returns the optimizer."""
+    keras.optimizers.get takes them, is made into one); with `keras_2`, a tf_keras optimizer too
+    (AdasumCallback's, for a tf_keras model). Returns the optimizer."""
     if outer is None:
         return None
     if isinstance(outer, dict):
         outer = keras.optimizers.deserialize(outer)
     elif isinstance(outer, str):
         outer = keras.optimizers.get(outer)
+    if keras_2 and _compat.keras_2_name(outer) is not None:
+        name = type(outer).__name__
+        if "LossScaleOptimizer" in name or hasattr(outer, "_tf_adasum_op"):
+            raise TypeError(
+                "outer_optimizer is a plain tf_keras optimizer that steps the combined deltas "
+                f"(tf.keras.optimizers.SGD(0.5, momentum=0.5, nesterov=True), ...), got {name}"
+            )
+        return outer
     _compat.require_keras_3(outer, "outer_optimizer")
     if not isinstance(outer, keras.optimizers.Optimizer) or isinstance(
         outer, keras.optimizers.LossScaleOptimizer
@@ -275,7 +284,10 @@ def outer_step(
             )
         strategy = tf.distribute.has_strategy()
         with _compat.steps_in_cross_replica_context(distribution) if strategy else contextlib.nullcontext():
-            outer.apply([-d for d in combined], variables)
+            if _compat.keras_2_name(outer) is None:
+                outer.apply([-d for d in combined], variables)
+            else:  # tf_keras's (AdasumCallback on a tf_keras model, without a strategy)
+                outer.apply_gradients(zip([-d for d in combined], variables, strict=True))
 
 
 def start_window(
