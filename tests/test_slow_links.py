@@ -53,3 +53,23 @@ def test_the_accuracy_part_runs_every_method_and_resumes(tmp_path: Path) -> None
     two = [(r, four[(r["method"], r["seed"], r["outer_lr"], r["outer_momentum"])]) for r in runs]
     assert any(a["final_accuracy"] != b["final_accuracy"] for a, b in two), two
     assert "| 2 | 4 |" in scaled.stdout and "| 4 | 4 |" in scaled.stdout, scaled.stdout
+
+    # The inner part: each local method's best setting at twice the one-worker rate, seed 0 then seed 1,
+    # to the same target, and the report's table of them beside MWMS.
+    tuned = smoke(tmp_path / "out", "slow_links.py", "--parts", "inner", "report", "--workloads", "cnn")
+    with open(out / "inner.csv") as f:
+        inner = list(csv.DictReader(f))
+    assert {(r["method"], int(r["H"]), int(r["seed"])) for r in inner} == {
+        (method, 4, seed) for method in ("adasum", "adasum_outer", "mean_outer") for seed in (0, 1)
+    }, inner
+    assert {float(r["inner_lr"]) for r in inner} == {2e-3} and {r["target"] for r in inner} == targets
+    # Each at the rate it says: the same setting and seed at the one-worker rate ends elsewhere.
+    ones_rate = {
+        (r["method"], r["seed"], r["outer_lr"], r["outer_momentum"]): r
+        for r in rows
+        if r["H"] == "4" and float(r["inner_lr"]) == 1e-3
+    }
+    pairs = [(r, ones_rate[(r["method"], r["seed"], r["outer_lr"], r["outer_momentum"])]) for r in inner]
+    assert any(a["final_accuracy"] != b["final_accuracy"] for a, b in pairs), pairs
+    assert "The local methods at a tuned inner rate, cnn (the one-worker rate 0.001 times 2;" in tuned.stdout
+    assert "| Adasum every H + outer | 4 | 0.002 |" in tuned.stdout, tuned.stdout

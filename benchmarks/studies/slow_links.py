@@ -32,6 +32,10 @@ cost      On 4 namespace hosts (scripts/cluster.py), one process each, every lin
           deltas in bfloat16 on the wire (method "adasum_bf16").
 workers   How the best outer step over Adasum moves with the number of workers: the accuracy part's
           Adasum runs, with and without the outer grid, on --workers-counts replicas at --workers-hs.
+inner     The lever left for the local-step methods: their inner Adam rate, which the accuracy part
+          holds at the one-worker rate. Each local method's best setting at each --inner-hs, at the
+          one-worker rate times each --inner-multipliers, seed 0; the best multiplier on every seed.
+          Writes OUT/inner.csv; the report gives a table like the main one of these runs.
 validate  The composition checked once: seed 0 of the best Adasum + outer setting at --validate-h
           trained end to end on the cluster at the first --rates (AdasumCallback, each process on its
           replica's slices of the same batches), its time and step to the target against the composed.
@@ -48,8 +52,8 @@ Usage (the cost part as root; benchmarks/README.md gives the commands of the pub
     .venv/bin/python benchmarks/studies/slow_links.py --smoke             # every part, tiny, minutes
 
 Writes OUT/accuracy.csv (a row per run, its curve in OUT/curves.jsonl), OUT/orthogonality.csv,
-OUT/cost.jsonl, OUT/validation.jsonl, OUT/compression.jsonl, OUT/table.md, OUT/time_to_target.png and
-OUT/curves.png (and the two plots into docs/training/ for the docs site).
+OUT/workers.csv, OUT/inner.csv, OUT/cost.jsonl, OUT/validation.jsonl, OUT/compression.jsonl, OUT/table.md,
+OUT/time_to_target.png and OUT/curves.png (and the two plots into docs/training/ for the docs site).
 """
 
 from __future__ import annotations
@@ -338,11 +342,7 @@ def workers_part(args: argparse.Namespace) -> None:
     path = args.out / "workers.csv"
     for workload in args.workloads:
         budget = args.budget or BUDGET[workload]
-        rows = [r for r in _convergence().read_rows(args.out / "accuracy.csv") if r["workload"] == workload]
-        targets = {r["target"] for r in rows if int(r["budget"]) == budget and r["target"] not in ("", None)}
-        if len(targets) != 1:
-            raise RuntimeError(f"workers: run the accuracy part of {workload} first (its target: {targets})")
-        target = float(targets.pop())
+        target = study_target(args.out, workload, budget, "workers")
         data = workload_data(workload, args.smoke, args.out)
         lr = INNER_LR[workload]
         for n in args.workers_counts:
@@ -365,6 +365,44 @@ def workers_part(args: argparse.Namespace) -> None:
                 setting |= {k: float(row[k]) for k in ("outer_lr", "outer_momentum")}
                 seeds += [{**setting, "seed": s} for s in range(1, args.seeds)]
             run_settings(path, data, seeds, target, ("workers",))
+
+
+def study_target(out: Path, workload: str, budget: int, part: str) -> float:
+    """The accuracy part's target of `workload` at `budget`, which the later parts train to."""
+    rows = [r for r in _convergence().read_rows(out / "accuracy.csv") if r["workload"] == workload]
+    targets = {r["target"] for r in rows if int(r["budget"]) == budget and r["target"] not in ("", None)}
+    if len(targets) != 1:
+        raise RuntimeError(f"{part}: run the accuracy part of {workload} first (its target: {targets})")
+    return float(targets.pop())
+
+
+def inner_part(args: argparse.Namespace) -> None:
+    """The local methods' inner rate tuned: each one's best setting (its outer step) at each --inner-hs,
+    as the accuracy part found it at the one-worker rate, again at that rate times each
+    --inner-multipliers on seed 0, then the best multiplier on every seed. Writes OUT/inner.csv."""
+    logical_cpus(args)
+    path = args.out / "inner.csv"
+    for workload in args.workloads:
+        budget = args.budget or BUDGET[workload]
+        target = study_target(args.out, workload, budget, "inner")
+        rows = [r for r in _convergence().read_rows(args.out / "accuracy.csv") if r["workload"] == workload]
+        best = best_settings([r for r in rows if int(r["budget"]) == budget])
+        data = workload_data(workload, args.smoke, args.out)
+        grid = []
+        for (_, method, h), row in sorted(best.items()):
+            if method not in ("adasum", "adasum_outer", "mean_outer") or h not in args.inner_hs:
+                continue
+            setting = {"workload": workload, "method": method, "H": h, "budget": budget}
+            setting |= {k: float(row[k]) for k in ("outer_lr", "outer_momentum")}
+            grid += [
+                {**setting, "seed": 0, "inner_lr": INNER_LR[workload] * m} for m in args.inner_multipliers
+            ]
+        seeds = []
+        for row in best_settings(run_settings(path, data, grid, target)).values():
+            setting = {k: row[k] for k in ("workload", "method")} | {"H": int(row["H"]), "budget": budget}
+            setting |= {k: float(row[k]) for k in ("inner_lr", "outer_lr", "outer_momentum")}
+            seeds += [{**setting, "seed": s} for s in range(1, args.seeds)]
+        run_settings(path, data, seeds, target)
 
 
 def run_settings(
@@ -960,10 +998,11 @@ def accuracy_table(
     costs: dict[tuple[str, str, str, int], list[dict[str, float]]],
     goodputs: dict[str, float],
     results: list[dict[str, Any]],
+    heading: str | None = None,
 ) -> list[str]:
     """The study's main table of one workload: each method's best setting at each H over the seeds, its
     steps and final accuracy, and its time, bytes and ratio to MWMS's on each link; `results` gets the
-    plots' points."""
+    plots' points. Under `heading`, where given, instead of the workload's with its target."""
     lines: list[str] = []
     best = best_settings(mine)
     target = (
@@ -972,7 +1011,8 @@ def accuracy_table(
         else None
     )
     lines += [
-        f"## {workload}: target {target} (one worker's final accuracy "
+        heading
+        or f"## {workload}: target {target} (one worker's final accuracy "
         f"{np.mean([float(r['final_accuracy']) for r in ones]):.4f}, {len(ones)} seeds, floored)",
         "",
     ]
@@ -1055,6 +1095,21 @@ def report(args: argparse.Namespace) -> str:
             lines += ["", *grid_table(mine), "", *orthogonality_table(args.out, workload)]
             lines += compression_table(args.out, workload)
             lines += workers_table(args.out, workload, budget)
+            tuned = [
+                r
+                for r in _convergence().read_rows(args.out / "inner.csv")
+                if r["workload"] == workload and int(r["budget"]) == budget
+            ]
+            if tuned:
+                times = sorted({float(r["inner_lr"]) / INNER_LR[workload] for r in tuned})
+                heading = (
+                    f"The local methods at a tuned inner rate, {workload} (the one-worker rate "
+                    f"{INNER_LR[workload]:g} times {', '.join(f'{m:g}' for m in times)}; each method's "
+                    "outer step as above; MWMS at its tuned rate, as above):"
+                )
+                mwms = [r for r in mine if r["method"] == "mwms"]
+                lines += accuracy_table(workload, [*ones, *mwms, *tuned], ones, costs, goodputs, [], heading)
+                lines.append("")
         cost_lines = [
             "| link | method | H | ms per step (rounds) | KB sent per step per host |",
             "| --- | --- | --- | --- | --- |",
@@ -1196,7 +1251,16 @@ def main() -> int:
         "--parts",
         nargs="+",
         default=["accuracy", "orthogonality", "cost", "report"],
-        choices=["accuracy", "orthogonality", "workers", "cost", "validate", "compression", "report"],
+        choices=[
+            "accuracy",
+            "orthogonality",
+            "workers",
+            "inner",
+            "cost",
+            "validate",
+            "compression",
+            "report",
+        ],
     )
     parser.add_argument(
         "--workloads", nargs="+", default=["cnn", "transformer"], choices=["cnn", "transformer"]
@@ -1231,6 +1295,10 @@ def main() -> int:
         "--workers-counts", type=int, nargs="+", default=[2, 8], help="workers: the numbers of workers"
     )
     parser.add_argument("--workers-hs", type=int, nargs="+", default=[16, 64], help="workers: the Hs")
+    parser.add_argument("--inner-hs", type=int, nargs="+", default=[16, 64], help="inner: the Hs")
+    parser.add_argument(
+        "--inner-multipliers", type=float, nargs="+", default=[2, 4], help="inner: of the one-worker rate"
+    )
     parser.add_argument(
         "--cost-compressions",
         nargs="*",
@@ -1251,6 +1319,7 @@ def main() -> int:
         args.mwms_multipliers, args.outer_grid, args.rates = [1, 2], [(0.5, 0.0)], ["100mbit"]
         args.adasum_outer_grid, args.compression_hs = args.outer_grid, [4]
         args.workers_counts, args.workers_hs = [2], [4]
+        args.inner_hs, args.inner_multipliers = [4], [2]
         args.out = args.out.with_name(args.out.name + "_smoke")
     for budget in {args.budget or BUDGET[w] for w in args.workloads}:
         uneven = [h for h in args.hs if budget % max(h, 8)]
@@ -1263,6 +1332,8 @@ def main() -> int:
         orthogonality_part(args)
     if "workers" in args.parts:
         workers_part(args)
+    if "inner" in args.parts:
+        inner_part(args)
     if "cost" in args.parts:
         cost_part(args)
     if "validate" in args.parts:
