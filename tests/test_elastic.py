@@ -201,7 +201,11 @@ def test_fewer_than_min_np_workers_end_the_job_naming_the_lost(tmp_path: Path) -
 
 
 @pytest.mark.multiprocess
-def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["strategy", "callback_outer"])
+def test_a_discovered_slot_grows_the_job_at_the_next_commit(mode: str, tmp_path: Path) -> None:
+    """A slot found by discovery grows the group at its next commit; the new process takes rank 0's
+    state. With AdasumCallback's outer optimizer, given to the elastic state, that includes the outer
+    state, stepped by then, the same as the survivors'."""
     slots = tmp_path / "slots"
     slots.write_text("127.0.0.1:2\n")
     runs = tmp_path / "discovery_runs"
@@ -210,7 +214,7 @@ def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> N
     discovery.chmod(0o755)
     code, log, _ = launch(
         tmp_path,
-        "strategy",
+        mode,
         2,
         "--max-np",
         "3",
@@ -234,6 +238,9 @@ def test_a_discovered_slot_grows_the_job_at_the_next_commit(tmp_path: Path) -> N
     assert resumed[0]["batch"] > 2 or resumed[0]["epoch"] > 0
     # The new process took rank 0's optimizer state; the survivors kept their own.
     assert resumed[2]["optimizer"] == resumed[0]["optimizer"] != resumed[1]["optimizer"]
+    if mode == "callback_outer":  # and the one outer state, stepped (its iteration count first)
+        assert resumed[2]["outer"] == resumed[0]["outer"] == resumed[1]["outer"], resumed
+        assert resumed[0]["outer"][0] >= 1, resumed[0]["outer"]
     final = read(tmp_path, "final", 3)
     assert {(f["group"], f["size"], f["epoch"]) for f in final} == {(1, 3, 8)}
     assert_same_on_every_rank(weights(tmp_path, 3))

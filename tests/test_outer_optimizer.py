@@ -402,14 +402,24 @@ def test_an_elastic_state_given_the_outer_optimizer_commits_and_restores_it() ->
         ValueError, match=r"holds the variables of \['model', 'optimizer'\], the commit those"
     ):
         bare._apply(state._committed[1])
-    # Another outer optimizer on the callback, or none: the commit says which the state holds.
+    # Another outer optimizer on the callback, or none: refused as fit starts, before any step, naming
+    # the one the state commits; the outer state stays hung, and the weights as they were.
     other = tf_adasum.AdasumCallback(2, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
-    with pytest.raises(ValueError, match=rf"commits the outer optimizer '{outer.name}', and the model's"):
-        model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[other, commits])
-    with pytest.raises(ValueError, match=rf"commits the outer optimizer '{outer.name}', .* steps with none"):
-        model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[tf_adasum.AdasumCallback(2), commits])
+    for wrong, asked in ((other, f"'{other.outer_optimizer.name}'"), (tf_adasum.AdasumCallback(2), "none")):
+        before = model.get_weights()
+        message = (
+            rf"carries the outer optimizer '{outer.name}', which an elastic KerasState commits, .* {asked}"
+        )
+        with pytest.raises(ValueError, match=message):
+            model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[wrong, commits])
+        assert model.optimizer.tf_adasum_outer_optimizer is outer
+        for got, want in zip(model.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(got, want)
+    state.commit()  # still the state's parts
     # What a state cannot hang: a tf_keras optimizer, another object, a model under a strategy.
-    with pytest.raises(TypeError, match=r"outer_optimizer is the plain Keras optimizer .* got builtins\.int"):
+    with pytest.raises(
+        ValueError, match=r"outer_optimizer is a plain Keras 3 optimizer, .* got builtins\.int"
+    ):
         elastic.KerasState(plain_model(lambda: make_inner("adam")), outer_optimizer=3)
     strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
     with strategy.scope():

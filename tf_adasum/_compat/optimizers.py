@@ -295,21 +295,32 @@ def track(parent: Any, child: Any, name: str) -> None:
     parent._track_trackable(child, name=name, overwrite=True)
 
 
-# The attribute of a plain optimizer that AdasumCallback steps with an outer optimizer: Keras's saving
-# walks an optimizer's attributes (and tf.train.Checkpoint its tracked children), so checkpoints hold the
-# outer state there without a change to the optimizer's own variables.
+# Where AdasumCallback's outer optimizer hangs on the plain one: Keras's saving walks its attributes (and
+# tf.train.Checkpoint its tracked children). An elastic KerasState given it pins it: its commits hold it.
 OUTER_ATTRIBUTE = "tf_adasum_outer_optimizer"
+PINNED_ATTRIBUTE = "_tf_adasum_outer_pinned"
+
+
+def optimizer_name(optimizer: Any) -> str:  # tf_keras's legacy optimizers have only `_name`
+    """An optimizer's name for messages."""
+    return str(getattr(optimizer, "name", None) or getattr(optimizer, "_name", type(optimizer).__name__))
 
 
 def attach_outer(optimizer: Any, outer: Any) -> None:
     """Hangs `outer` on `optimizer` (OUTER_ATTRIBUTE), replacing any outer optimizer there; None takes
-    it off."""
-    if outer is None:
-        if attached_outer(optimizer) is not None:
-            delattr(optimizer, OUTER_ATTRIBUTE)  # TensorFlow's AutoTrackable drops the tracking with it
-        return
-    setattr(optimizer, OUTER_ATTRIBUTE, outer)
-    track(optimizer, outer, OUTER_ATTRIBUTE)
+    it off. Refuses to replace one an elastic state pinned (hang_outer(pin=True))."""
+    there = attached_outer(optimizer)
+    if getattr(optimizer, PINNED_ATTRIBUTE, False) and outer is not there:
+        asked = "none" if outer is None else repr(optimizer_name(outer))
+        raise ValueError(
+            f"the model's optimizer carries the outer optimizer {optimizer_name(there)!r}, which an elastic "
+            f"KerasState commits, and AdasumCallback asks for {asked}: give it the state's own"
+        )
+    if outer is not None:
+        setattr(optimizer, OUTER_ATTRIBUTE, outer)
+        track(optimizer, outer, OUTER_ATTRIBUTE)
+    elif there is not None:
+        delattr(optimizer, OUTER_ATTRIBUTE)  # TensorFlow's AutoTrackable drops the tracking with it
 
 
 def attached_outer(optimizer: Any) -> Any:
@@ -329,21 +340,37 @@ def build_optimizer(optimizer: Any, variables: Any) -> None:
         optimizer.build(variables)
 
 
-def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
-    """Builds the optimizer `outer` (of the model's Keras) on `variables`, a model's trainable variables,
-    and hangs it on the model's `optimizer` (the inner one of a Keras 3 LossScaleOptimizer), where
-    checkpoints and elastic commits find it. Builds `optimizer` too: Keras loads no state into an
-    optimizer that has none yet. Both eagerly, since Keras cannot build a stateful optimizer inside the
-    train function. Refuses the model's own optimizer, and a Keras 3 outer optimizer built on other
-    variables (AdasumCallback's, KerasState's)."""
+def _keras_of(optimizer: Any) -> str | None:
+    """Which Keras `optimizer` is of: "Keras 3", "tf_keras", or None for no Keras optimizer."""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return "Keras 3"
+    tf_keras = any(c.__module__.split(".")[0] == "tf_keras" for c in type(optimizer).__mro__)
+    return "tf_keras" if tf_keras and hasattr(optimizer, "apply_gradients") else None
+
+
+def hang_outer(optimizer: Any, outer: Any, variables: list[Any], pin: bool = False) -> None:
+    """Builds `outer` on `variables` (a model's trainable ones) and hangs it on the model's `optimizer`
+    (a Keras 3 LossScaleOptimizer's inner one), where checkpoints and elastic commits find it; with `pin`
+    (an elastic state's) for good. Builds `optimizer` too, since Keras loads no state into one that has
+    none; both eagerly, since Keras cannot build a stateful optimizer in the train function. Refuses,
+    before anything changes, an outer optimizer that is not a plain one of the model's Keras, the model's
+    own, and a Keras 3 one built on other variables."""
     stepping = loss_scale_inner(optimizer)
+    model_keras, outer_keras = _keras_of(stepping), _keras_of(outer)
+    example = f"{'tf.' * (model_keras != 'Keras 3')}keras.optimizers.SGD(0.5, momentum=0.5, nesterov=True)"
+    wrapper = getattr(outer, "_tf_adasum_syncs", False) or hasattr(outer, "_tf_adasum_op")
+    if outer_keras != model_keras or wrapper or "LossScaleOptimizer" in type(outer).__name__:
+        other = f", a {outer_keras} optimizer" if outer_keras not in (None, model_keras) else ""
+        raise ValueError(
+            f"outer_optimizer is a plain {model_keras} optimizer, of the model's Keras, that steps the "
+            f"combined deltas ({example}, ...), got {type(outer).__module__}.{type(outer).__name__}{other}"
+        )
     if outer is stepping:
         raise ValueError(
-            f"outer_optimizer is the model's optimizer {stepping.name!r}: the outer step needs an "
-            "optimizer of its own, with its own state (keras.optimizers.SGD(0.5, momentum=0.5, "
-            "nesterov=True), ...)"
+            f"outer_optimizer is the model's optimizer {optimizer_name(stepping)!r}: the outer step needs "
+            f"an optimizer of its own, with its own state ({example}, ...)"
         )
-    if isinstance(outer, keras.optimizers.Optimizer) and outer.built:
+    if outer_keras == "Keras 3" and outer.built:
         own = [tf_variable(v) for v in trainable_variables_of(outer)]
         if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
             raise ValueError(
@@ -356,6 +383,8 @@ def hang_outer(optimizer: Any, outer: Any, variables: list[Any]) -> None:
         build_optimizer(optimizer, variables)
         build_optimizer(outer, variables)
     attach_outer(stepping, outer)
+    if pin:
+        setattr(stepping, PINNED_ATTRIBUTE, True)
 
 
 # --- _iterations -------------------------------------------------------------------------------------

@@ -155,13 +155,6 @@ class AdasumCallback(CountsBatches):
         if outer is None:
             _compat.attach_outer(optimizer if keras_2 else _compat.loss_scale_inner(optimizer), None)
             return
-        if keras_2 != (_compat.keras_2_name(outer) is not None):
-            kinds = ("a Keras 3", "a tf_keras (Keras 2)")
-            raise ValueError(
-                f"outer_optimizer {outer.name!r} is {kinds[not keras_2]} optimizer, and the model is "
-                f"{kinds[keras_2]} model: give it an outer optimizer of its own Keras ("
-                f"{'tf.keras' if keras_2 else 'keras'}.optimizers.SGD(0.5, momentum=0.5, nesterov=True), ...)"
-            )
         _compat.hang_outer(optimizer, outer, list(model.trainable_variables))
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:

@@ -103,23 +103,11 @@ def _model_and_optimizer_built(model: keras.Model, optimizer: Any) -> None:
 
 def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
     """KerasState's `outer_optimizer`, built on the model's trainable variables and hung on its optimizer
-    as AdasumCallback hangs it; None for none."""
+    as AdasumCallback hangs it, and pinned there; None for none."""
     if outer is None:
         return None
-    keras_2 = _compat.keras_2_name(model) is not None
-    if optimizer is None or keras_2 != (_compat.keras_2_name(outer) is not None):
-        kinds = ("a Keras 3", "a tf_keras (Keras 2)")
-        raise ValueError(
-            f"elastic state: outer_optimizer is the outer optimizer of the model's AdasumCallback, "
-            f"{kinds[keras_2]} optimizer as the model is {kinds[keras_2]} model, got "
-            f"{type(outer).__module__}.{type(outer).__name__}"
-            + (" (the model has no optimizer)" if optimizer is None else "")
-        )
-    if not keras_2 and not isinstance(outer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "elastic state: outer_optimizer is the plain Keras optimizer given to AdasumCallback(outer_"
-            f"optimizer=...), got {type(outer).__module__}.{type(outer).__name__}"
-        )
+    if optimizer is None:
+        raise ValueError("elastic state: an outer_optimizer needs the model's optimizer: compile it first")
     if getattr(_compat.loss_scale_inner(optimizer), "outer_optimizer", None) is not None or (
         model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()
     ):
@@ -128,7 +116,7 @@ def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
             "AdasumOptimizer(outer_optimizer=...), the model's optimizer carries the outer state in every "
             "commit: make the state without outer_optimizer"
         )
-    _compat.hang_outer(optimizer, outer, list(model.trainable_variables))
+    _compat.hang_outer(optimizer, outer, list(model.trainable_variables), pin=True)
     return outer
 
 
@@ -170,15 +158,16 @@ class TensorFlowKerasState(TensorFlowState):
             # after a new process has taken root's state: the state must hold it from the start.
             if outer is None:
                 raise ValueError(
-                    f"an elastic state cannot commit AdasumCallback's outer optimizer {attached.name!r} "
-                    f"({type(attached).__name__}) that it was not given: make the state with it, "
-                    "elastic.KerasState(model, outer_optimizer=outer, ...), the same optimizer as "
-                    "AdasumCallback(outer_optimizer=outer)'s"
+                    "an elastic state cannot commit AdasumCallback's outer optimizer "
+                    f"{_compat.optimizer_name(attached)!r} ({type(attached).__name__}) that it was not "
+                    "given: make the state with it, elastic.KerasState(model, outer_optimizer=outer, ...), "
+                    "the same optimizer as AdasumCallback(outer_optimizer=outer)'s"
                 )
-            stepped = "none" if attached is None else f"{attached.name!r}"
+            stepped = "none" if attached is None else repr(_compat.optimizer_name(attached))
             raise ValueError(
-                f"elastic state: it commits the outer optimizer {outer.name!r}, and the model's optimizer "
-                f"steps with {stepped}: give AdasumCallback(outer_optimizer=...) the state's own"
+                f"elastic state: it commits the outer optimizer {_compat.optimizer_name(outer)!r}, and the "
+                f"model's optimizer steps with {stepped}: give AdasumCallback(outer_optimizer=...) the "
+                "state's own"
             )
         if outer is not None:
             own.append(("outer", _compat.optimizer_variables(outer)))

@@ -151,8 +151,10 @@ def _refuse_under_strategy(optimizer: Any) -> None:
     if getattr(tf.distribute.get_strategy(), "outer_optimizer", None) is not None:
         raise ValueError(
             "AdasumStrategy(outer_optimizer=...): the outer optimizer is a Keras 3 optimizer, which steps "
-            "Keras 3 models only, and this model is tf_keras's. Use Keras 3 for local SGD with an outer "
-            "optimizer, or drop outer_optimizer (sync_every and combine serve tf_keras)"
+            "Keras 3 models only, and this model is tf_keras's. For a tf_keras model's local steps with "
+            "an outer optimizer, use AdasumCallback(sync_every=..., outer_optimizer=tf.keras.optimizers."
+            "SGD(...)), one process per worker, or Keras 3; or drop outer_optimizer (sync_every and "
+            "combine serve tf_keras under the strategy)"
         )
 
 
