@@ -141,6 +141,14 @@ class NoticeBoard(Service):
     def copied(self, path: str) -> None:
         self.copies.setdefault(os.path.realpath(path), threading.Event()).set()
 
+    def wait_copied(self, paths: list[str], seconds: float) -> None:
+        """Waits until every copy of `paths` has ended (made or failed), at most `seconds` in all."""
+        deadline = time.monotonic() + seconds
+        for path in paths:
+            pending = self.copies.get(os.path.realpath(path))
+            if pending is not None:
+                pending.wait(max(0.0, deadline - time.monotonic()))
+
     def state(self, path: str) -> bytes | None:
         """The copy at `path` (under root), once its copy ended; None for anything else."""
         real = os.path.realpath(path)

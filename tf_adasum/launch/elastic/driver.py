@@ -64,6 +64,9 @@ REFILL_DELAY_SECONDS = 1.0
 # Growth waits this long at most for warm processes for every member of the larger group before the
 # notice goes out; the group trains meanwhile, and a growth that cannot wait starts processes cold.
 GROW_WARM_SECONDS = 60.0
+# A new group waits this long at most for the launcher's copies of the survivors' commits (a small file
+# each, read through the agent: well under a second on a live host).
+COPY_WAIT_SECONDS = 30.0
 
 
 class ElasticError(RuntimeError):
@@ -230,9 +233,12 @@ class ElasticJob:
                 f"{first.rank} {_described(first)}. The job did not finish on every process"
             )
             return exit_status(first.code) if first.outcome != policy.RESTART and first.code else 1
-        for w in members:
-            if w.outcome == policy.RESTART:  # each resumes from its own file; the launcher keeps a copy
-                w.resume_file, w.resume_copy = w.state_file, self.keep_copy(group, w)
+        survivors = [w for w in members if w.outcome == policy.RESTART]
+        for w in survivors:  # each resumes from its own file; the launcher keeps a copy
+            w.resume_file, w.resume_copy = w.state_file, self.keep_copy(group, w)
+        # The copies are here before the next group starts, so a host that loses its disk as its process
+        # starts loses no commit (a copy that fails is said; the job goes on from the processes' own).
+        self.notices.wait_copied([w.resume_copy for w in survivors], COPY_WAIT_SECONDS)
         _say(
             f"group {group} ended: "
             + ", ".join(f"rank {w.rank} ({w.id}@{w.host}) {w.outcome}" for w in members)
