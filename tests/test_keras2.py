@@ -321,6 +321,20 @@ def test_the_callback_takes_mean_and_compression_for_tf_keras_and_refuses_a_kera
     with pytest.raises(ValueError, match=message):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
     _unchanged(model, before)
+    # A tf_keras wrapper as the outer optimizer: refused as fit starts, before any step.
+    scaled = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.5))
+    with pytest.raises(
+        ValueError, match=r"a plain tf_keras optimizer, .* got tf_keras\..*LossScaleOptimizer"
+    ):
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=1,
+            verbose=0,
+            callbacks=[tf_adasum.AdasumCallback(2, outer_optimizer=scaled)],
+        )
+    _unchanged(model, before)
     # And the other way round, with tf_keras's legacy optimizer (named by its _name).
     keras_3 = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     keras_3.compile(keras.optimizers.SGD(0.1), "mse")

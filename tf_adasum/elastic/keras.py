@@ -153,21 +153,14 @@ class TensorFlowKerasState(TensorFlowState):
         outer = self.outer_optimizer
         stepping = _compat.loss_scale_inner(self.optimizer)
         attached: Any = _compat.attached_outer(stepping) if stepping is not None else None
-        if attached is not outer:
+        if attached is not outer:  # the state's own is pinned there (hang_outer): this is a callback's
             # AdasumCallback hangs its outer optimizer on the model's optimizer only once fit starts,
             # after a new process has taken root's state: the state must hold it from the start.
-            if outer is None:
-                raise ValueError(
-                    "an elastic state cannot commit AdasumCallback's outer optimizer "
-                    f"{_compat.optimizer_name(attached)!r} ({type(attached).__name__}) that it was not "
-                    "given: make the state with it, elastic.KerasState(model, outer_optimizer=outer, ...), "
-                    "the same optimizer as AdasumCallback(outer_optimizer=outer)'s"
-                )
-            stepped = "none" if attached is None else repr(_compat.optimizer_name(attached))
             raise ValueError(
-                f"elastic state: it commits the outer optimizer {_compat.optimizer_name(outer)!r}, and the "
-                f"model's optimizer steps with {stepped}: give AdasumCallback(outer_optimizer=...) the "
-                "state's own"
+                "an elastic state cannot commit AdasumCallback's outer optimizer "
+                f"{_compat.optimizer_name(attached)!r} ({type(attached).__name__}) that it was not "
+                "given: make the state with it, elastic.KerasState(model, outer_optimizer=outer, ...), "
+                "the same optimizer as AdasumCallback(outer_optimizer=outer)'s"
             )
         if outer is not None:
             own.append(("outer", _compat.optimizer_variables(outer)))

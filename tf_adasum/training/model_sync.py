@@ -73,13 +73,7 @@ def check_outer_optimizer(outer: Any, keras_2: bool = False) -> Any:
     elif isinstance(outer, str):
         outer = keras.optimizers.get(outer)
     if keras_2 and _compat.keras_2_name(outer) is not None:
-        name = type(outer).__name__
-        if "LossScaleOptimizer" in name or hasattr(outer, "_tf_adasum_op"):
-            raise TypeError(
-                "outer_optimizer is a plain tf_keras optimizer that steps the combined deltas "
-                f"(tf.keras.optimizers.SGD(0.5, momentum=0.5, nesterov=True), ...), got {name}"
-            )
-        return outer
+        return outer  # checked against the model it steps, before the first step (_compat.hang_outer)
     _compat.require_keras_3(outer, "outer_optimizer")
     if not isinstance(outer, keras.optimizers.Optimizer) or isinstance(
         outer, keras.optimizers.LossScaleOptimizer
