@@ -349,6 +349,19 @@ def test_the_callback_takes_mean_and_compression_for_tf_keras_and_refuses_a_kera
     callback = tf_adasum.AdasumCallback(2, outer_optimizer=legacy.optimizer)
     with pytest.raises(ValueError, match=r"outer_optimizer is the model's optimizer 'SGD'"):
         legacy.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    # A tf_keras outer optimizer built on another model's variables: refused as fit starts, naming both
+    # (tf_keras would have raised a KeyError at the first sync, after two steps).
+    other = _model()
+    elsewhere = tf_keras.optimizers.SGD(0.5, momentum=0.5)
+    elsewhere.build(other.trainable_variables)
+    model = _model()
+    model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    before = model.get_weights()
+    callback = tf_adasum.AdasumCallback(2, outer_optimizer=elsewhere)
+    message = r"outer_optimizer 'SGD' was built on 2 other variables, not this model's 2 \(dense.*of its own"
+    with pytest.raises(ValueError, match=message):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    _unchanged(model, before)
 
 
 def test_an_elastic_state_commits_and_restores_a_tf_keras_outer_optimizer() -> None:
@@ -377,6 +390,11 @@ def test_an_elastic_state_commits_and_restores_a_tf_keras_outer_optimizer() -> N
         ValueError, match=r"a plain tf_keras optimizer, of the model's Keras, .* a Keras 3 optimizer"
     ):
         elastic.KerasState(_model(), outer_optimizer=keras.optimizers.SGD(0.5))
+    # A fit that commits the outer state but has no AdasumCallback to step it: refused before any step.
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"outer optimizer 'SGD', and this fit has no AdasumCallback"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[commits])
+    _unchanged(model, before)
 
 
 def test_adasum_callback_compiles_a_tf_keras_step_without_xla() -> None:

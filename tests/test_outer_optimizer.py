@@ -416,7 +416,16 @@ def test_an_elastic_state_given_the_outer_optimizer_commits_and_restores_it() ->
         for got, want in zip(model.get_weights(), before, strict=True):
             np.testing.assert_array_equal(got, want)
     state.commit()  # still the state's parts
-    # What a state cannot hang: a tf_keras optimizer, another object, a model under a strategy.
+    # A fit that commits the outer state with no AdasumCallback to step it: refused before any step.
+    before = model.get_weights()
+    unstepped = rf"outer optimizer '{outer.name}', and this fit has no AdasumCallback"
+    with pytest.raises(ValueError, match=unstepped):
+        model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[commits])
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    model.fit(x[:4], y[:4], batch_size=2, verbose=0, callbacks=[callback, commits])  # with it, as before
+    # What a state cannot hang: a tf_keras optimizer, another object, a model under a strategy, one whose
+    # optimizer steps an outer optimizer of its own (or none) and syncs itself.
     with pytest.raises(
         ValueError, match=r"outer_optimizer is a plain Keras 3 optimizer, .* got builtins\.int"
     ):
@@ -426,6 +435,9 @@ def test_an_elastic_state_given_the_outer_optimizer_commits_and_restores_it() ->
         under = plain_model(lambda: make_inner("adam"))
     with pytest.raises(ValueError, match=r"under a strategy .* make the state without outer_optimizer"):
         elastic.KerasState(under, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
+    wrapped = plain_model(lambda: tf_adasum.AdasumOptimizer(make_inner("adam")))
+    with pytest.raises(ValueError, match=r"with an AdasumOptimizer .*\(here AdasumOptimizer\)"):
+        elastic.KerasState(wrapped, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
 
 
 def test_bad_outer_optimizers_and_combines_are_refused() -> None:

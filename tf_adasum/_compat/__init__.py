@@ -61,19 +61,13 @@ from tf_adasum._compat.layers import BatchNormalizationMoments
 from tf_adasum._compat.losses import install_loss_scaling
 from tf_adasum._compat.numpy_views import numpy_views_share_memory, writable_view
 from tf_adasum._compat.optimizers import (
-    OUTER_ATTRIBUTE,
     applies,
-    attach_outer,
-    attached_outer,
-    build_optimizer,
     disable_gradient_sum,
-    hang_outer,
     install_global_loss_scale_finiteness,
     install_gradient_sum_guard,
     install_optimizer_apply,
     install_optimizer_get,
     loss_scale_inner,
-    optimizer_name,
     own_variables,
     running_before_the_moving_average,
     show_moving_averages,
@@ -81,6 +75,15 @@ from tf_adasum._compat.optimizers import (
     track,
     trainable_variables_of,
     variable_index,
+)
+from tf_adasum._compat.outer import (
+    OUTER_ATTRIBUTE,
+    attach_outer,
+    attached_outer,
+    build_optimizer,
+    hang_outer,
+    optimizer_name,
+    stepped_by_callback,
 )
 from tf_adasum._compat.profiler import profiler_recording
 from tf_adasum._compat.registry import (
@@ -155,6 +158,7 @@ __all__ = [
     "required_hooks",
     "running_before_the_moving_average",
     "show_moving_averages",
+    "stepped_by_callback",
     "steps_in_cross_replica_context",
     "strategy_of",
     "tensors_checkpoint",

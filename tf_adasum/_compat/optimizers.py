@@ -41,7 +41,6 @@ import keras
 import tensorflow as tf
 
 from tf_adasum._compat.registry import hook_problem, mark, register, replaced, require, uses
-from tf_adasum.common.variables import tf_variable
 
 
 def _tf_optimizer() -> Any:
@@ -293,98 +292,6 @@ def variable_index(optimizer: Any, variable: Any) -> int:
 def track(parent: Any, child: Any, name: str) -> None:
     """Makes tf.train.Checkpoint save `child` under `parent` as `name` (replacing one there)."""
     parent._track_trackable(child, name=name, overwrite=True)
-
-
-# Where AdasumCallback's outer optimizer hangs on the plain one: Keras's saving walks its attributes (and
-# tf.train.Checkpoint its tracked children). An elastic KerasState given it pins it: its commits hold it.
-OUTER_ATTRIBUTE = "tf_adasum_outer_optimizer"
-PINNED_ATTRIBUTE = "_tf_adasum_outer_pinned"
-
-
-def optimizer_name(optimizer: Any) -> str:  # tf_keras's legacy optimizers have only `_name`
-    """An optimizer's name for messages."""
-    return str(getattr(optimizer, "name", None) or getattr(optimizer, "_name", type(optimizer).__name__))
-
-
-def attach_outer(optimizer: Any, outer: Any) -> None:
-    """Hangs `outer` on `optimizer` (OUTER_ATTRIBUTE), replacing any outer optimizer there; None takes
-    it off. Refuses to replace one an elastic state pinned (hang_outer(pin=True))."""
-    there = attached_outer(optimizer)
-    if getattr(optimizer, PINNED_ATTRIBUTE, False) and outer is not there:
-        asked = "none" if outer is None else repr(optimizer_name(outer))
-        raise ValueError(
-            f"the model's optimizer carries the outer optimizer {optimizer_name(there)!r}, which an elastic "
-            f"KerasState commits, and AdasumCallback asks for {asked}: give it the state's own"
-        )
-    if outer is not None:
-        setattr(optimizer, OUTER_ATTRIBUTE, outer)
-        track(optimizer, outer, OUTER_ATTRIBUTE)
-    elif there is not None:
-        delattr(optimizer, OUTER_ATTRIBUTE)  # TensorFlow's AutoTrackable drops the tracking with it
-
-
-def attached_outer(optimizer: Any) -> Any:
-    """The outer optimizer AdasumCallback hung on `optimizer`, or None."""
-    return getattr(optimizer, OUTER_ATTRIBUTE, None)
-
-
-def build_optimizer(optimizer: Any, variables: Any) -> None:
-    """Creates `optimizer`'s state for `variables` where it has none yet: a Keras 3 optimizer, a tf_keras
-    one, or tf_keras's legacy OptimizerV2 (whose slots are created per variable, idempotently)."""
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        if not optimizer.built:
-            optimizer.build(variables)
-    elif hasattr(optimizer, "_create_all_weights"):
-        optimizer._create_all_weights(variables)
-    elif not getattr(optimizer, "_built", False):
-        optimizer.build(variables)
-
-
-def _keras_of(optimizer: Any) -> str | None:
-    """Which Keras `optimizer` is of: "Keras 3", "tf_keras", or None for no Keras optimizer."""
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return "Keras 3"
-    tf_keras = any(c.__module__.split(".")[0] == "tf_keras" for c in type(optimizer).__mro__)
-    return "tf_keras" if tf_keras and hasattr(optimizer, "apply_gradients") else None
-
-
-def hang_outer(optimizer: Any, outer: Any, variables: list[Any], pin: bool = False) -> None:
-    """Builds `outer` on `variables` (a model's trainable ones) and hangs it on the model's `optimizer`
-    (a Keras 3 LossScaleOptimizer's inner one), where checkpoints and elastic commits find it; with `pin`
-    (an elastic state's) for good. Builds `optimizer` too, since Keras loads no state into one that has
-    none; both eagerly, since Keras cannot build a stateful optimizer in the train function. Refuses,
-    before anything changes, an outer optimizer that is not a plain one of the model's Keras, the model's
-    own, and a Keras 3 one built on other variables."""
-    stepping = loss_scale_inner(optimizer)
-    model_keras, outer_keras = _keras_of(stepping), _keras_of(outer)
-    example = f"{'tf.' * (model_keras != 'Keras 3')}keras.optimizers.SGD(0.5, momentum=0.5, nesterov=True)"
-    wrapper = getattr(outer, "_tf_adasum_syncs", False) or hasattr(outer, "_tf_adasum_op")
-    if outer_keras != model_keras or wrapper or "LossScaleOptimizer" in type(outer).__name__:
-        other = f", a {outer_keras} optimizer" if outer_keras not in (None, model_keras) else ""
-        raise ValueError(
-            f"outer_optimizer is a plain {model_keras} optimizer, of the model's Keras, that steps the "
-            f"combined deltas ({example}, ...), got {type(outer).__module__}.{type(outer).__name__}{other}"
-        )
-    if outer is stepping:
-        raise ValueError(
-            f"outer_optimizer is the model's optimizer {optimizer_name(stepping)!r}: the outer step needs "
-            f"an optimizer of its own, with its own state ({example}, ...)"
-        )
-    if outer_keras == "Keras 3" and outer.built:
-        own = [tf_variable(v) for v in trainable_variables_of(outer)]
-        if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
-            raise ValueError(
-                f"outer_optimizer {outer.name!r} was built on {len(own)} other variables "
-                f"({', '.join(v.name for v in own[:3])}, ...), not this model's {len(variables)} "
-                f"({', '.join(v.name for v in variables[:3])}, ...): give each model, and each set of "
-                "trainable variables, an outer optimizer of its own"
-            )
-    with tf.init_scope():
-        build_optimizer(optimizer, variables)
-        build_optimizer(outer, variables)
-    attach_outer(stepping, outer)
-    if pin:
-        setattr(stepping, PINNED_ATTRIBUTE, True)
 
 
 # --- _iterations -------------------------------------------------------------------------------------

@@ -108,13 +108,15 @@ def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
         return None
     if optimizer is None:
         raise ValueError("elastic state: an outer_optimizer needs the model's optimizer: compile it first")
-    if getattr(_compat.loss_scale_inner(optimizer), "outer_optimizer", None) is not None or (
-        model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()
-    ):
+    stepping = _compat.loss_scale_inner(optimizer)
+    wrapper = getattr(type(stepping), "_tf_adasum_syncs", False) or hasattr(stepping, "_tf_adasum_op")
+    strategy = model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()
+    if wrapper or strategy:
         raise ValueError(
-            "elastic state: under a strategy (AdasumStrategy(outer_optimizer=...)) or with an "
-            "AdasumOptimizer(outer_optimizer=...), the model's optimizer carries the outer state in every "
-            "commit: make the state without outer_optimizer"
+            "elastic state: the outer_optimizer here is AdasumCallback's; under a strategy "
+            "(AdasumStrategy(outer_optimizer=...)) or with an AdasumOptimizer or DistributedOptimizer "
+            f"(here {type(stepping).__name__}), the model's optimizer steps its own outer optimizer and "
+            "carries its state in every commit: make the state without outer_optimizer"
         )
     _compat.hang_outer(optimizer, outer, list(model.trainable_variables), pin=True)
     return outer
@@ -180,6 +182,19 @@ class TensorFlowKerasState(TensorFlowState):
 KerasState = TensorFlowKerasState
 
 
+def _outer_stepped(state: State) -> None:
+    """Refuses, before a fit's first step, a fit that would commit a KerasState's outer optimizer without
+    stepping it: only AdasumCallback(outer_optimizer=...) steps it, and this fit has none."""
+    outer = getattr(state, "outer_optimizer", None)
+    if outer is not None and not _compat.stepped_by_callback(getattr(state, "optimizer", None)):
+        name = _compat.optimizer_name(outer)
+        raise ValueError(
+            f"elastic state: it holds AdasumCallback's outer optimizer {name!r}, and this fit has no "
+            "AdasumCallback to step it: add AdasumCallback(sync_every=..., outer_optimizer="
+            "state.outer_optimizer) to fit's callbacks, or make the state without outer_optimizer"
+        )
+
+
 class CommitStateCallback(Callback):
     """Commits the state every `batches_per_commit` batches and at every epoch's end (Horovod's).
 
@@ -200,6 +215,12 @@ class CommitStateCallback(Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._remaining = self.batches_per_commit
+        self._checked = False
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if not self._checked:  # after every callback's on_train_begin, AdasumCallback's too
+            self._checked = True
+            _outer_stepped(self.state)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if _SKIPPED.get(self.model, False):  # a batch a resume drops is no step: nothing to commit
