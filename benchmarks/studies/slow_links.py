@@ -28,7 +28,8 @@ cost      On 4 namespace hosts (scripts/cluster.py), one process each, every lin
           strategy.run loop (Keras 3's fit under MWMS is broken upstream, keras-team/keras#20585), and
           model.fit with AdasumCallback(sync_every=H, combine=, outer_optimizer=) for each H, in
           alternating rounds. Gives ms per step over whole windows (the syncs' share included) and the
-          bytes each host's eth0 sent per step. --cost-compressions bf16: also Adasum every H with its
+          bytes each host's eth0 sent per step; and "local", fit with no sync, the slowest process's
+          step. --cost-methods: only those named. --cost-compressions bf16: also Adasum every H with its
           deltas in bfloat16 on the wire (method "adasum_bf16").
 workers   How the best outer step over Adasum moves with the number of workers: the accuracy part's
           Adasum runs, with and without the outer grid, on --workers-counts replicas at --workers-hs.
@@ -42,6 +43,11 @@ validate  The composition checked once: seed 0 of the best Adasum + outer settin
 compression  Compressed deltas over whole runs: every seed of the best Adasum + outer setting at each
           --compression-hs trained end to end the same way, with AdasumCallback(compression=) "none",
           "bf16" and "fp16": steps, seconds and bytes to the target and the final accuracy, measured.
+cores     What the cluster's shared cores cost a local step: each workload's fit step (the one-worker
+          Adam, no sync: what every local method does between syncs) in one process alone on this
+          machine, and in 4 processes at once, as the 4 namespace hosts share its cores, in alternating
+          --rounds. Writes OUT/cores.jsonl; the report composes the 100 Mbit/s times with a host's cores
+          to itself (each measured step less the slowest shared process's excess over the lone one).
 report    time to target = steps to target x ms per step on that link, bytes likewise; tables and plots.
 
 Usage (the cost part as root; benchmarks/README.md gives the commands of the published run):
@@ -52,7 +58,8 @@ Usage (the cost part as root; benchmarks/README.md gives the commands of the pub
     .venv/bin/python benchmarks/studies/slow_links.py --smoke             # every part, tiny, minutes
 
 Writes OUT/accuracy.csv (a row per run, its curve in OUT/curves.jsonl), OUT/orthogonality.csv,
-OUT/workers.csv, OUT/inner.csv, OUT/cost.jsonl, OUT/validation.jsonl, OUT/compression.jsonl, OUT/table.md,
+OUT/workers.csv, OUT/inner.csv, OUT/cost.jsonl, OUT/cores.jsonl, OUT/validation.jsonl,
+OUT/compression.jsonl, OUT/table.md,
 OUT/time_to_target.png and OUT/curves.png (and the two plots into docs/training/ for the docs site).
 """
 
@@ -641,14 +648,40 @@ def worker(args: argparse.Namespace) -> None:
         t1, b1 = time.perf_counter(), tx_bytes()
         return {"ms": 1e3 * (t1 - t0) / measured, "bytes": (b1 - b0) / measured}
 
+    def local_cost() -> dict[str, float]:
+        """fit's step with no callback, no sync: the local step every local method takes between syncs,
+        on the cluster's shared cores; the slowest process's."""
+        warmup, measured = 8, 64
+        model = make_model(args.workload)
+        compile_model(model, lr)
+        marks: dict[int, tuple[float, int]] = {}
+
+        def slowest(value: float) -> float:
+            (top,) = tf_adasum.distributed.allreduce([tf.constant([value], tf.float64)], op=reduce_op.MAX)
+            return float(top.numpy()[0])
+
+        class Marks(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                if batch + 1 == warmup:
+                    slowest(0.0)  # every process starts the measured steps at once, as they run together
+                if batch + 1 in (warmup, warmup + measured):
+                    marks[batch + 1] = (time.perf_counter(), tx_bytes())
+
+        reduce_op = tf_adasum.distributed.ReduceOp
+        xs, ys = batches(warmup + measured)
+        model.fit(xs, ys, batch_size=LOCAL_BATCH, shuffle=False, verbose=0, callbacks=[Marks()])
+        (t0, b0), (t1, b1) = marks[warmup], marks[warmup + measured]
+        return {"ms": slowest(1e3 * (t1 - t0) / measured), "bytes": (b1 - b0) / measured}
+
     for round_ in range(args.rounds):
-        cases: list[tuple[str, int, Any]] = [("mwms", 1, mwms_cost)]
+        cases: list[tuple[str, int, Any]] = [("mwms", 1, mwms_cost), ("local", 1, local_cost)]
         for h in args.hs:
             cases.append(("adasum", h, lambda h=h: fit_cost(h, "adasum", None)))
             cases.append(("adasum_outer", h, lambda h=h: fit_cost(h, "adasum", outer(0.5, 0.5))))
             cases.append(("mean_outer", h, lambda h=h: fit_cost(h, "mean", outer(0.7, 0.9))))
             for wire in args.cost_compressions:  # Adasum's deltas narrowed on the wire ("adasum_bf16")
                 cases.append((f"adasum_{wire}", h, lambda h=h, w=wire: fit_cost(h, "adasum", None, w)))
+        cases = [case for case in cases if args.cost_methods is None or case[0] in args.cost_methods]
         for method, h, measure in cases:
             cost = measure()
             if comm.rank == 0:
@@ -907,6 +940,7 @@ def cost_part(args: argparse.Namespace) -> None:
                     *map(str, args.hs),
                     "--cost-compressions",
                     *args.cost_compressions,
+                    *(["--cost-methods", *args.cost_methods] if args.cost_methods else []),
                 ]
                 job += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
                 result = bench_cluster.run_job(
@@ -923,6 +957,101 @@ def cost_part(args: argparse.Namespace) -> None:
                         f.write(json.dumps(full) + "\n")
                         print(json.dumps(full), flush=True)
                 print(f"# cost {rate} {workload}: {result['seconds']} s", file=sys.stderr, flush=True)
+
+
+def cores_worker(args: argparse.Namespace) -> None:
+    """One process of the cores part: --workload's fit step, no sync, ms per step over whole steps."""
+    import keras
+
+    x, y, _, _ = workload_data(args.workload, args.smoke, args.out)
+    warmup, measured = (2, 4) if args.smoke else (8, 64)
+    idx = np.arange((warmup + measured) * LOCAL_BATCH) % len(y)
+    model = make_model(args.workload)
+    compile_model(model, INNER_LR[args.workload])
+    marks: dict[int, float] = {}
+
+    class Marks(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if batch + 1 in (warmup, warmup + measured):
+                marks[batch + 1] = time.perf_counter()
+
+    model.fit(x[idx], y[idx], batch_size=LOCAL_BATCH, shuffle=False, verbose=0, callbacks=[Marks()])
+    print(json.dumps({"ms": 1e3 * (marks[warmup + measured] - marks[warmup]) / measured}), flush=True)
+
+
+def cores_part(args: argparse.Namespace) -> None:
+    """The local step in one process alone and in WORKERS processes at once, in alternating rounds:
+    OUT/cores.jsonl, a row per workload, round and number of processes with each process's ms."""
+    import subprocess
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    for workload in args.workloads:
+        for round_ in range(args.rounds):
+            for processes in (1, WORKERS):
+                command = [sys.executable, __file__, "--cores-worker", "--workload", workload]
+                command += ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
+                pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+                jobs = [subprocess.Popen(command, **pipes) for _ in range(processes)]
+                ms = []
+                for job in jobs:
+                    out, err = job.communicate(timeout=args.timeout)
+                    if job.returncode != 0:
+                        raise RuntimeError(f"cores worker {workload} exited {job.returncode}: {err[-2000:]}")
+                    ms.append(json.loads(out.strip().splitlines()[-1])["ms"])
+                row = {"workload": workload, "round": round_, "processes": processes, "ms": ms}
+                with open(args.out / "cores.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+
+
+def cores_table(
+    out: Path, workload: str, results: list[dict[str, Any]], costs: dict[tuple[str, str, str, int], Any]
+) -> list[str]:
+    """The cores part's measure, and the 100 Mbit/s times composed with a host's cores to itself: each
+    method's measured ms per step less what the cluster's shared cores add to a local step, the
+    cluster's "local" step (fit with no sync, the slowest process's) less one process's alone; without
+    cost rows of "local", the slowest of 4 processes at once here less one alone. What the cluster's step
+    holds besides (the syncs, the callback, a window's wait for the slowest) is kept."""
+    path = out / "cores.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    alone = [r["ms"][0] for r in rows if r["workload"] == workload and r["processes"] == 1]
+    shared = [r["ms"] for r in rows if r["workload"] == workload and r["processes"] == WORKERS]
+    rate = "100mbit"
+    mine = [r for r in results if r["workload"] == workload and f"seconds_{rate}" in r]
+    mwms = next((r for r in mine if r["method"] == "mwms"), None)
+    if not alone or not shared or mwms is None:
+        return []
+    slowest = float(np.mean([max(ms) for ms in shared]))
+    lines = [
+        f"The local step of {workload} with the cores shared ({len(alone)} rounds): {np.mean(alone):.1f} ms "
+        f"in one process alone, {np.mean([np.mean(ms) for ms in shared]):.1f} ms on average and "
+        f"{slowest:.1f} ms for the slowest of {WORKERS} at once."
+    ]
+    local = costs.get((rate, workload, "local", 1))
+    if local:
+        slowest = float(np.mean([m["ms"] for m in local]))
+        lines[0] += f" On the cluster at {rate}, fit with no sync took {slowest:.1f} ms (the slowest)."
+    excess = slowest - float(np.mean(alone))
+    lines[0] += f" Composed at {rate}, each measured step {excess:.1f} ms shorter (a host's cores to itself):"
+    lines += [
+        "",
+        "| method | H | steps to target | ms per step, cluster | x MWMS, cluster | ms per step, composed "
+        "| x MWMS, composed |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def ms_of(r: dict[str, Any]) -> float:
+        return float(np.mean([m["ms"] for m in costs[(rate, workload, r["method"], r["H"])]]))
+
+    mwms_time = float(np.mean(mwms["steps"])) * ms_of(mwms)
+    mwms_composed = float(np.mean(mwms["steps"])) * (ms_of(mwms) - excess)
+    for r in mine:
+        steps, ms = float(np.mean(r["steps"])), ms_of(r)
+        lines.append(
+            f"| {LABELS[r['method']]} | {r['H']} | {steps:.0f} | {ms:.1f} | {steps * ms / mwms_time:.2f} "
+            f"| {ms - excess:.1f} | {steps * (ms - excess) / mwms_composed:.2f} |"
+        )
+    return [*lines, ""]
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -1083,7 +1212,7 @@ def report(args: argparse.Namespace) -> str:
         for line in (args.out / "cost.jsonl").read_text().splitlines():
             c = json.loads(line)
             costs.setdefault((c["rate"], c["workload"], c["method"], int(c["H"])), []).append(c)
-            goodputs[c["rate"]] = c["goodput_mbit"]
+            goodputs.setdefault(c["rate"], c["goodput_mbit"])  # the first job's measure of the link
     lines = []
     results: list[dict[str, Any]] = []
     for workload in args.workloads:
@@ -1094,6 +1223,7 @@ def report(args: argparse.Namespace) -> str:
             lines += accuracy_table(workload, mine, ones, costs, goodputs, results)
             lines += ["", *grid_table(mine), "", *orthogonality_table(args.out, workload)]
             lines += compression_table(args.out, workload)
+            lines += cores_table(args.out, workload, results, costs)
             lines += workers_table(args.out, workload, budget)
             tuned = [
                 r
@@ -1259,6 +1389,7 @@ def main() -> int:
             "cost",
             "validate",
             "compression",
+            "cores",
             "report",
         ],
     )
@@ -1285,6 +1416,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="every part, tiny")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--validate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cores-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--validate-h", type=int, default=64, help="validate: the H of the end-to-end run")
     parser.add_argument("--validate-outer", type=setting, default=(0.5, 0.5), help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="cnn", help=argparse.SUPPRESS)
@@ -1306,6 +1438,12 @@ def main() -> int:
         choices=COMPRESSIONS[1:],
         help="cost: also Adasum every H with its deltas narrowed to these on the wire",
     )
+    parser.add_argument(
+        "--cost-methods",
+        nargs="+",
+        default=None,
+        help="cost: only these of mwms, local (fit with no sync), adasum, adasum_outer, mean_outer, ...",
+    )
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--compression", default="none", choices=COMPRESSIONS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1313,6 +1451,9 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     if args.worker:
         (validation_worker if args.validate else worker)(args)
+        return 0
+    if args.cores_worker:
+        cores_worker(args)
         return 0
     if args.smoke:
         args.hs, args.seeds, args.budget, args.rounds = [4], 2, 16, 1
@@ -1340,6 +1481,8 @@ def main() -> int:
         validate_part(args)
     if "compression" in args.parts:
         compression_part(args)
+    if "cores" in args.parts:
+        cores_part(args)
     print(report(args))
     return 0
 
