@@ -130,6 +130,11 @@ REMOVALS = [
         lambda mp: mp.delattr(tf_keras_optimizer_v2.OptimizerV2, "apply_gradients"),
     ),
     ("tf_keras optimizers.get", lambda mp: mp.delattr(tf_keras_optimizers, "get")),
+    ("tf_keras optimizer index", lambda mp: mp.delattr(tf_keras_optimizer._BaseOptimizer, "_var_key")),
+    (
+        "tf_keras optimizer index",
+        lambda mp: mp.setattr(tf_keras_optimizer._BaseOptimizer, "_build_index_dict", lambda self, v: None),
+    ),
     (
         "tf_keras callback protocol",
         lambda mp: mp.delattr(tf_keras_callbacks.Callback, "_implements_train_batch_hooks"),

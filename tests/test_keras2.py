@@ -390,6 +390,13 @@ def test_an_elastic_state_commits_and_restores_a_tf_keras_outer_optimizer() -> N
         ValueError, match=r"a plain tf_keras optimizer, of the model's Keras, .* a Keras 3 optimizer"
     ):
         elastic.KerasState(_model(), outer_optimizer=keras.optimizers.SGD(0.5))
+    # Horovod's DistributedOptimizer syncs itself: the state refuses AdasumCallback's outer optimizer.
+    horovod = _model()
+    horovod.compile(hvd.DistributedOptimizer(tf_keras.optimizers.SGD(0.1), op=hvd.Adasum), "mse")
+    with pytest.raises(
+        ValueError, match=r"a tf_adasum optimizer that syncs itself \(here DistributedOptimizer\)"
+    ):
+        elastic.KerasState(horovod, outer_optimizer=tf_keras.optimizers.SGD(0.5))
     # A fit that commits the outer state but has no AdasumCallback to step it: refused before any step.
     before = model.get_weights()
     with pytest.raises(ValueError, match=r"outer optimizer 'SGD', and this fit has no AdasumCallback"):

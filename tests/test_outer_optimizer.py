@@ -433,10 +433,26 @@ def test_an_elastic_state_given_the_outer_optimizer_commits_and_restores_it() ->
     strategy = tf_adasum.AdasumStrategy(devices=cpus(2))
     with strategy.scope():
         under = plain_model(lambda: make_inner("adam"))
-    with pytest.raises(ValueError, match=r"under a strategy .* make the state without outer_optimizer"):
+    with pytest.raises(ValueError, match=r"under a strategy, .* make the state without outer_optimizer"):
         elastic.KerasState(under, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
+    # A LossScaleOptimizer's inner optimizer carries the state's outer one, and the fit steps it.
+    scaled = plain_model(lambda: keras.optimizers.LossScaleOptimizer(make_inner("adam"), initial_scale=1.0))
+    outer = Outer(*OUTERS["nesterov"]).keras()
+    state = elastic.KerasState(scaled, outer_optimizer=outer, epoch=0, batch=0)
+    commits = elastic.CommitStateCallback(state, batches_per_commit=2)
+    scaled.fit(
+        x[:4],
+        y[:4],
+        batch_size=2,
+        verbose=0,
+        callbacks=[tf_adasum.AdasumCallback(2, outer_optimizer=outer), commits],
+    )
+    assert (
+        int(outer.iterations.numpy()) == 1
+        and scaled.optimizer.inner_optimizer.tf_adasum_outer_optimizer is outer
+    )
     wrapped = plain_model(lambda: tf_adasum.AdasumOptimizer(make_inner("adam")))
-    with pytest.raises(ValueError, match=r"with an AdasumOptimizer .*\(here AdasumOptimizer\)"):
+    with pytest.raises(ValueError, match=r"a tf_adasum optimizer that syncs itself \(here AdasumOptimizer\)"):
         elastic.KerasState(wrapped, outer_optimizer=Outer(*OUTERS["nesterov"]).keras())
 
 

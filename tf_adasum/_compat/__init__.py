@@ -27,6 +27,8 @@ The hooks, by module:
 - keras2.py: tf_keras's `Optimizer.aggregate_gradients` and `OptimizerV2._aggregate_gradients`, and its
   CallbackList's questions to a callback, checked where tf_keras is imported (tf_keras objects are told by
   their class, and refused by the ways in that do not serve them);
+- outer.py: `tf_keras optimizer index` (which variables a built tf_keras outer optimizer steps), checked
+  where tf_keras is imported;
 - profiler.py: `profiler.trace.enabled` (whether TensorFlow's profiler records: a function in
   TensorFlow 2.21, a module flag in 2.16 to 2.20);
 - numpy_views.py: numpy views of eager tensors (checked on first use).

@@ -2,19 +2,22 @@
 model's optimizer, so that Keras's saving, tf.train.Checkpoint and an elastic KerasState find it; with
 the checks every outer optimizer passes first, for the callback and the elastic state alike.
 
-It touches tf_keras's optimizers' private index of the variables they step (`_index_dict`, `_var_key`,
-`_built`) and its legacy optimizers' slot creation (`_create_all_weights`), and Keras 3's through
-_compat.optimizers.
+Its hook, `tf_keras optimizer index`: tf_keras's optimizers' private index of the variables they step
+(`_index_dict`, keyed by `_var_key`, once `_built`). It also creates tf_keras's legacy optimizers' slots
+(`_create_all_weights`), and reads Keras 3's optimizers through _compat.optimizers.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tf_adasum._compat.optimizers import loss_scale_inner, track, trainable_variables_of
+from tf_adasum._compat.registry import hook_problem, register, uses
 from tf_adasum.common.variables import tf_variable
 
 # Where AdasumCallback's outer optimizer hangs on the plain one: Keras's saving walks its attributes (and
@@ -50,11 +53,32 @@ def attached_outer(optimizer: Any) -> Any:
     return getattr(optimizer, OUTER_ATTRIBUTE, None)
 
 
+@register(
+    "tf_keras optimizer index",
+    "a tf_keras outer optimizer built on another model's variables is refused only by tf_keras, with a "
+    "KeyError at the first sync, after steps",
+    required=False,
+)
+def _check_tf_keras_index() -> str | None:
+    if "tf_keras" not in sys.modules:
+        return None  # checked where tf_keras is imported
+    base = getattr(importlib.import_module("tf_keras.src.optimizers.optimizer"), "_BaseOptimizer", None)
+    build = getattr(base, "_build_index_dict", None)
+    if not callable(getattr(base, "_var_key", None)) or not callable(build) or not uses(build, "_index_dict"):
+        return (
+            f"tf_keras {sys.modules['tf_keras'].__version__}'s optimizers no longer keep the variables they "
+            "step in _index_dict, keyed by _var_key"
+        )
+    return None
+
+
 def stepped_by_callback(optimizer: Any) -> bool:
     """Whether AdasumCallback has extended the step of a model's `optimizer` (its LossScaleOptimizer's
     inner one) with its sync for this fit: the mark (training.model_sync.SYNCS) on the `apply`, or on
     tf_keras's `apply_gradients`, it installs on the optimizer until the fit ends."""
     stepping = loss_scale_inner(optimizer)
+    if stepping is None:
+        return False
     steps = (vars(stepping).get(name) for name in ("apply", "apply_gradients"))
     return any(getattr(step, "_tf_adasum_syncs", False) for step in steps)
 
@@ -87,7 +111,8 @@ def _built_elsewhere(outer: Any, keras_of: str | None, variables: list[Any]) -> 
         if [id(v) for v in own] != [id(tf_variable(v)) for v in variables]:
             return f"{len(own)} other variables ({', '.join(v.name for v in own[:3])}, ...)"
     index = getattr(outer, "_index_dict", None)  # tf_keras's: each variable's key to its slots' index
-    if keras_of == "tf_keras" and getattr(outer, "_built", False) and isinstance(index, dict):
+    known = keras_of == "tf_keras" and hook_problem("tf_keras optimizer index") is None
+    if known and getattr(outer, "_built", False) and isinstance(index, dict):
         if set(index) != {outer._var_key(v) for v in variables}:
             return f"{len(index)} other variables"
     return None

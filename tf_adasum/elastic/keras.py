@@ -109,14 +109,16 @@ def _hung_outer(model: keras.Model, optimizer: Any, outer: Any) -> Any:
     if optimizer is None:
         raise ValueError("elastic state: an outer_optimizer needs the model's optimizer: compile it first")
     stepping = _compat.loss_scale_inner(optimizer)
-    wrapper = getattr(type(stepping), "_tf_adasum_syncs", False) or hasattr(stepping, "_tf_adasum_op")
+    horovod = hasattr(stepping, "_tf_adasum_op")  # tf_keras's is a subclass named as the class it wraps
+    wrapper = "DistributedOptimizer" if horovod else type(stepping).__name__
     strategy = model.distribute_strategy is not tf.distribute.get_strategy() or tf.distribute.has_strategy()
-    if wrapper or strategy:
+    if horovod or getattr(type(stepping), "_tf_adasum_syncs", False) or strategy:
         raise ValueError(
-            "elastic state: the outer_optimizer here is AdasumCallback's; under a strategy "
-            "(AdasumStrategy(outer_optimizer=...)) or with an AdasumOptimizer or DistributedOptimizer "
-            f"(here {type(stepping).__name__}), the model's optimizer steps its own outer optimizer and "
-            "carries its state in every commit: make the state without outer_optimizer"
+            "elastic state: the outer_optimizer here is AdasumCallback's; under a strategy, or with a "
+            f"tf_adasum optimizer that syncs itself (here {wrapper}), the model's optimizer steps the outer "
+            "optimizer it was given, if any (AdasumStrategy(outer_optimizer=...), AdasumOptimizer(..., "
+            "outer_optimizer=...)), and carries its state in every commit: make the state without "
+            "outer_optimizer"
         )
     _compat.hang_outer(optimizer, outer, list(model.trainable_variables), pin=True)
     return outer
@@ -185,8 +187,10 @@ KerasState = TensorFlowKerasState
 def _outer_stepped(state: State) -> None:
     """Refuses, before a fit's first step, a fit that would commit a KerasState's outer optimizer without
     stepping it: only AdasumCallback(outer_optimizer=...) steps it, and this fit has none."""
-    outer = getattr(state, "outer_optimizer", None)
-    if outer is not None and not _compat.stepped_by_callback(getattr(state, "optimizer", None)):
+    if not isinstance(state, TensorFlowKerasState):
+        return
+    outer = state.outer_optimizer
+    if outer is not None and not _compat.stepped_by_callback(state.optimizer):
         name = _compat.optimizer_name(outer)
         raise ValueError(
             f"elastic state: it holds AdasumCallback's outer optimizer {name!r}, and this fit has no "
@@ -212,6 +216,7 @@ class CommitStateCallback(Callback):
         self.state = state
         self.batches_per_commit = batches_per_commit
         self._remaining = batches_per_commit
+        self._checked = False
 
     def on_train_begin(self, logs: Any = None) -> None:
         self._remaining = self.batches_per_commit
